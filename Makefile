@@ -1,0 +1,27 @@
+# Both targets create or reuse .venv. A torch already present there (say a GPU user's CUDA build) is kept.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: demo test bench clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	if $(PY) -c "import torch" 2>/dev/null; then \
+	    $(PY) -m pip install -q -e ".[test]"; \
+	else \
+	    $(PY) -m pip install -q -c constraints.txt -e ".[test]"; \
+	fi
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m cgcompile.demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/bench_cpu.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

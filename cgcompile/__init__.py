@@ -1,0 +1,16 @@
+"""cgcompile: a torch.compile backend that captures module-tagged partitions in CUDA graphs.
+
+Public API only; see README.md. The backend itself is registered as "cudagraph_modules" through the
+`torch_dynamo_backends` entry point, so `torch.compile(m, backend="cudagraph_modules")` needs no import.
+"""
+
+from .config import CudaGraphConfig, CudaGraphImpl, CudaGraphModule, CudaGraphScope, InferenceCudaGraphScope
+from .errors import ConfigError
+from .explain import explain
+from .partition import Plan
+from .tagging import eager_region, tag, tag_modules, tag_of, untag
+
+__all__ = [
+    "ConfigError", "CudaGraphConfig", "Plan", "explain", "CudaGraphImpl", "CudaGraphModule", "CudaGraphScope",
+    "InferenceCudaGraphScope", "eager_region", "tag", "tag_modules", "tag_of", "untag",
+]

@@ -1,0 +1,98 @@
+"""Plan -> log lines, table and JSON. Reads the Plan; never recomputes it.
+
+Logger "cgcompile": INFO gives one summary line per graph plus its partition table, DEBUG every finding per node.
+Works with plain `logging` and with `TORCH_LOGS="+cgcompile"` (registered in logs.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List
+
+from .partition import GraphPlan, Plan
+from .passes.common import short_location
+
+log = logging.getLogger("cgcompile")
+
+_COLUMNS = ("id", "kind", "tags", "module", "ops", "first reason")
+
+
+def describe_config(config) -> str:
+    modules = ", ".join(str(getattr(m, "value", m)) for m in config.cuda_graph_modules) or "whole layer"
+    return (f"cuda_graph_impl={config.cuda_graph_impl.value}, cuda_graph_modules=[{modules}], "
+            f"inference_cuda_graph_scope={config.inference_cuda_graph_scope.value}, "
+            f"warmup={config.cuda_graph_warmup_steps}, driver={config.driver.value}")
+
+
+def execution_note(graph: GraphPlan, config) -> str:
+    """Why this plan will or will not really capture on this run (CPU runs say what would be captured)."""
+    driver = config.driver.value
+    if driver == "eager":
+        return "driver=eager: nothing is captured; capture marks what would be"
+    if driver == "emulate":
+        return "driver=emulate: capture is emulated on the CPU"
+    if graph.device != "cuda" and driver == "auto":
+        return f"runs eagerly: tensors are on {graph.device}; capture marks what would be captured on a GPU"
+    return f"captured with driver={driver} on {graph.device}"
+
+
+def summary_line(graph: GraphPlan, config) -> str:
+    captured = graph.captured
+    total_ops = sum(p.num_ops for p in graph.partitions)
+    captured_ops = sum(p.num_ops for p in captured)
+    mode = "training" if graph.training else "inference"
+    return (f"graph {graph.index} ({mode}, {graph.scope} scope): {len(graph.partitions)} partitions, "
+            f"{len(captured)} captured, {len(graph.partitions) - len(captured)} eager; "
+            f"{captured_ops}/{total_ops} ops captured; {execution_note(graph, config)}")
+
+
+def _first_reason(partition) -> str:
+    if not partition.reasons:
+        return "-"
+    r = partition.reasons[0]
+    return f"{r.category}: {r.op} at {short_location(r.location)}"
+
+
+def format_table(graph: GraphPlan) -> str:
+    rows = [_COLUMNS] + [
+        (str(p.id), p.kind, "+".join(p.tags) or "-", p.module or "-", str(p.num_ops), _first_reason(p))
+        for p in graph.partitions]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS) - 1)]
+    lines = []
+    for row in rows:
+        cells = [row[i].rjust(widths[i]) if i in (0, 4) else row[i].ljust(widths[i]) for i in range(len(widths))]
+        lines.append(("  ".join(cells) + "  " + row[-1]).rstrip())
+    return "\n".join(lines)
+
+
+def format_plan(plan: Plan) -> str:
+    lines: List[str] = [f"cgcompile plan: {describe_config(plan.config)}"]
+    for graph in plan.graphs:
+        lines.append(summary_line(graph, plan.config))
+        lines.append(format_table(graph))
+    if plan.graph_breaks:
+        lines.append(f"Dynamo graph breaks ({len(plan.graph_breaks)}), each runs in Python between graphs:")
+        for brk in plan.graph_breaks:
+            reason = brk.reason.strip().splitlines()[0] if brk.reason.strip() else "?"
+            lines.append(f"  {short_location(brk.location)}: {reason}")
+    if not plan.graphs and not plan.graph_breaks:
+        lines.append("no graphs were compiled")
+    return "\n".join(lines)
+
+
+def plan_to_json(plan: Plan) -> dict:
+    config = plan.config.to_json_dict() if hasattr(plan.config, "to_json_dict") else plan.config.to_options()
+    return {"config": config, "graphs": [g.to_json() for g in plan.graphs],
+            "graph_breaks": [b.to_json() for b in plan.graph_breaks]}
+
+
+def log_graph_plan(graph: GraphPlan, config) -> None:
+    """INFO: summary and table; DEBUG: every finding of every node (not only the first per partition)."""
+    if log.isEnabledFor(logging.INFO):
+        log.info("%s\n%s", summary_line(graph, config), format_table(graph))
+    if log.isEnabledFor(logging.DEBUG):
+        for node, findings in graph.findings.items():
+            for f in findings:
+                log.debug("graph %d node %s: %s %s at %s in %s: %s%s", graph.index, node, f.category, f.op,
+                          f.location or "?", f.module or "<root>", f.detail or "",
+                          f"; hint: {f.hint}" if f.hint else "")

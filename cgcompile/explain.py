@@ -1,0 +1,57 @@
+"""`cgcompile.explain`: what the backend would do with a model, without capturing anything."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import torch
+
+from .backend import device_of, scope_for
+from .config import CudaGraphConfig
+from .partition import OFF_SCOPE, GraphBreak, Plan, check_selected_tags, graph_tags, plan_graph
+from .passes import module_regions
+
+_FRAME = re.compile(r"^(.*):(\d+)$")
+
+
+def _break_location(reason: Any) -> Optional[str]:
+    stack = getattr(reason, "user_stack", None) or []
+    if not stack:
+        return None
+    frame = stack[-1]
+    return f"{frame.filename}:{frame.lineno}"
+
+
+def _run_dynamo_explain(fn, args, kwargs):
+    """torch._dynamo.explain (documented in torch.compiler troubleshooting; checked on torch 2.11 and 2.13).
+
+    Like torch's own explain it resets Dynamo's caches before and after, so compiled functions recompile on
+    their next call."""
+    return torch._dynamo.explain(fn)(*args, **kwargs)
+
+
+def explain(model_or_fn, *args: Any, options: Optional[dict] = None, **kwargs: Any) -> Plan:
+    """Trace `model_or_fn(*args, **kwargs)` with Dynamo and return the partition Plan our backend would use,
+    including Dynamo's own graph breaks. Bad options raise before any tracing. Nothing is captured."""
+    config = CudaGraphConfig.from_options(options)
+    fn = getattr(model_or_fn, "_orig_mod", model_or_fn)
+    output = _run_dynamo_explain(fn, args, kwargs)
+    plan = Plan(config)
+    training = torch.is_grad_enabled()
+    scope = scope_for(config, training) or OFF_SCOPE
+    present: dict = {}
+    for index, gm in enumerate(output.graphs):
+        inputs = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        present.update(dict.fromkeys(graph_tags(module_regions(gm))))
+        plan.graphs.append(plan_graph(gm, config, index, training=training, device=device_of(inputs), scope=scope,
+                                      validate_tags=False))
+    if config.cuda_graph_modules and plan.graphs:
+        check_selected_tags(config, list(present))
+    seen = set()
+    for reason in output.break_reasons:
+        brk = GraphBreak(str(getattr(reason, "reason", reason)), _break_location(reason))
+        if brk not in seen:
+            seen.add(brk)
+            plan.graph_breaks.append(brk)
+    return plan

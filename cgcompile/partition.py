@@ -1,0 +1,361 @@
+"""The partition plan: which node runs in which partition, captured or eager, and why.
+
+`plan_graph` is a pure function of the FX graph and the normalized config; `split` turns a plan into
+submodules with torch.fx.passes.split_module (keep_original_order=True keeps unbacked symbols defined before
+their uses). Region rules (design.md §4):
+- with `cuda_graph_modules` set, only ops inside modules carrying a selected tag are captured; a selected region
+  that contains an uncapturable op is left eager as a whole (the plan names the op), or raises with `strict`;
+- untagged, capture-safe glue next to a captured region of the same layer is absorbed, and adjacent captured
+  regions of one layer merge into one graph (fewer replays), unless `strict_modules`;
+- with `cuda_graph_modules` empty ("whole layer"), every capture-safe span is captured, cut at layer boundaries;
+- the "block" scope (inference block scope, full_iteration) captures maximal capture-safe spans, ignoring modules;
+- captured runs shorter than `min_partition_ops` stay eager: replay has a fixed cost.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+
+from .config import CudaGraphConfig, CudaGraphImpl
+from .errors import ConfigError
+from .passes import Finding, RegionInfo, analyze, compute_nodes, module_regions, node_location
+from .passes.common import counts_as_op, node_module_path, op_name
+
+CAPTURE, EAGER = "capture", "eager"
+LAYER_SCOPE, BLOCK_SCOPE = "layer", "block"
+OFF_SCOPE = "off"  # graphs of a kind the config does not capture (e.g. no-grad graphs with inference scope none)
+
+
+@dataclass
+class Partition:
+    """A contiguous run of nodes that is either captured as one graph or run eagerly."""
+
+    id: int
+    kind: str
+    tags: Tuple[str, ...]
+    module: Optional[str]
+    num_ops: int
+    reasons: Tuple[Finding, ...]
+    nodes: Tuple[str, ...] = field(repr=False)
+
+    @property
+    def tag(self) -> Optional[str]:
+        return self.tags[0] if self.tags else None
+
+    @property
+    def captured(self) -> bool:
+        return self.kind == CAPTURE
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "kind": self.kind, "tag": self.tag, "tags": list(self.tags), "module": self.module,
+                "num_ops": self.num_ops, "reasons": [r.to_json() for r in self.reasons]}
+
+
+@dataclass
+class GraphPlan:
+    """The plan of one Dynamo graph. `findings` keeps every finding per node name for DEBUG logs."""
+
+    index: int
+    partitions: List[Partition]
+    scope: str
+    device: str
+    training: bool
+    findings: Dict[str, Tuple[Finding, ...]] = field(default_factory=dict, repr=False)
+
+    @property
+    def node_to_partition(self) -> Dict[str, int]:
+        return {name: p.id for p in self.partitions for name in p.nodes}
+
+    @property
+    def captured(self) -> List[Partition]:
+        return [p for p in self.partitions if p.captured]
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "scope": self.scope, "device": self.device, "training": self.training,
+                "partitions": [p.to_json() for p in self.partitions]}
+
+
+@dataclass(frozen=True)
+class GraphBreak:
+    """A break Dynamo made itself (the code around it lands in separate graphs, the break runs in Python)."""
+
+    reason: str
+    location: Optional[str]
+
+    def to_json(self) -> dict:
+        return {"reason": self.reason, "location": self.location}
+
+
+@dataclass
+class Plan:
+    """Everything the backend decided for one compiled function: config, one GraphPlan per Dynamo graph,
+    and Dynamo's own graph breaks. `str(plan)` is the human table; `to_json()` the machine-readable form."""
+
+    config: CudaGraphConfig
+    graphs: List[GraphPlan] = field(default_factory=list)
+    graph_breaks: List[GraphBreak] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        from .diagnostics import format_plan
+        return format_plan(self)
+
+    def to_json(self) -> dict:
+        from .diagnostics import plan_to_json
+        return plan_to_json(self)
+
+    def to_html(self, path=None) -> str:
+        from .visual import plan_to_html
+        return plan_to_html(self, path)
+
+
+def layer_of(module: Optional[str]) -> Optional[str]:
+    """The layer a module path belongs to: the path up to its first numeric component ("layers.3.attn" ->
+    "layers.3"); None for modules outside any numbered container."""
+    if not module:
+        return None
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def common_module(paths: Sequence[Optional[str]]) -> Optional[str]:
+    """Longest common module path of the given paths (component-wise), None when they share only the root."""
+    split = [p.split(".") for p in paths if p]
+    if not split or len(split) != len(paths):
+        return None
+    prefix = split[0]
+    for parts in split[1:]:
+        n = 0
+        while n < min(len(prefix), len(parts)) and prefix[n] == parts[n]:
+            n += 1
+        prefix = prefix[:n]
+    return ".".join(prefix) or None
+
+
+@dataclass
+class _Run:
+    """A run of nodes being grouped: kind, the region key that may not change within it, and the layer."""
+
+    kind: str
+    key: object
+    layer: Optional[str]
+    nodes: List[fx.Node]
+    glue: bool = False
+
+
+def _selected_tags(config: CudaGraphConfig) -> frozenset:
+    return frozenset(str(m.value if hasattr(m, "value") else m) for m in config.cuda_graph_modules)
+
+
+def check_selected_tags(config: CudaGraphConfig, present: Sequence[str]) -> None:
+    """A selected module name that no module carries is almost always a typo or a missing tag: say so."""
+    selected = _selected_tags(config)
+    present_set = set(present)
+    missing = sorted(selected - present_set)
+    if not missing:
+        return
+    shown = ", ".join(sorted(present_set)) or "none"
+    parts = []
+    for name in missing:
+        close = difflib.get_close_matches(name, sorted(present_set), n=1)
+        parts.append(f"'{name}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+    raise ConfigError(
+        f"cuda_graph_modules selects {', '.join(parts)}, but no module in the graph carries that tag; tags present: "
+        f"{shown}. Tag the module with @cgcompile.tag(...), cgcompile.tag_modules(...), or fix the name.")
+
+
+def graph_tags(regions: Dict[fx.Node, RegionInfo]) -> List[str]:
+    seen: Dict[str, None] = {}
+    for info in regions.values():
+        for _, name in info.tagged:
+            seen.setdefault(name)
+    return list(seen)
+
+
+def plan_graph(gm: fx.GraphModule, config: CudaGraphConfig, index: int = 0, *, training: bool = True,
+               device: str = "cpu", scope: Optional[str] = None, validate_tags: bool = True) -> GraphPlan:
+    """Plan one Dynamo graph. `scope` is "layer" (module regions) or "block" (maximal capture-safe spans);
+    by default "block" for full_iteration, else "layer"."""
+    if scope is None:
+        scope = BLOCK_SCOPE if config.cuda_graph_impl == CudaGraphImpl.FULL_ITERATION else LAYER_SCOPE
+    findings = analyze(gm)
+    regions = module_regions(gm)
+    nodes = list(compute_nodes(gm))
+    selected = _selected_tags(config) if scope == LAYER_SCOPE else frozenset()
+    if selected and validate_tags:
+        present = graph_tags(regions)
+        # A graph fragment after a Dynamo graph break may hold none of the selected modules; only a graph that
+        # carries tags, none of them selected, shows the selection is wrong.
+        if present and not selected & set(present):
+            check_selected_tags(config, present)
+
+    blocking: Dict[fx.Node, Finding] = {}
+    for node in nodes:
+        info = regions[node]
+        if info.eager_module is not None:
+            blocking[node] = Finding("eager_region", op_name(node), node_location(node), node_module_path(node),
+                                     hint="the module is marked cgcompile.eager_region",
+                                     detail=f"inside eager_region {info.eager_module}")
+        elif node in findings:
+            blocking[node] = findings[node][0]
+
+    if config.cuda_graph_impl == CudaGraphImpl.NONE or scope == OFF_SCOPE:
+        runs = [_Run(EAGER, None, None, nodes)] if nodes else []
+    elif selected:
+        runs = _selected_runs(nodes, regions, blocking, selected, config)
+    else:
+        runs = _span_runs(nodes, regions, blocking, cut_layers=scope == LAYER_SCOPE)
+
+    partitions = _finish(runs, regions, blocking, selected, config, scope)
+    all_findings = {n.name: tuple(findings.get(n, ())) for n in nodes if n in findings}
+    return GraphPlan(index, partitions, scope, device, training, all_findings)
+
+
+def _span_runs(nodes, regions, blocking, *, cut_layers: bool) -> List[_Run]:
+    runs: List[_Run] = []
+    for node in nodes:
+        kind = EAGER if node in blocking else CAPTURE
+        layer = layer_of(regions[node].module)
+        key = layer if (cut_layers and kind == CAPTURE) else None
+        if runs and runs[-1].kind == kind and runs[-1].key == key:
+            runs[-1].nodes.append(node)
+        else:
+            runs.append(_Run(kind, key, layer, [node]))
+    return runs
+
+
+def _selected_runs(nodes, regions, blocking, selected, config) -> List[_Run]:
+    region_of = {n: regions[n].innermost_tag(selected) for n in nodes}
+    # A selected region instance that holds an uncapturable op is not captured at all (Megatron cannot either).
+    poisoned: Dict[str, List[Finding]] = {}
+    for node in nodes:
+        region = region_of[node]
+        if region is not None and node in blocking:
+            poisoned.setdefault(region[0], []).append(blocking[node])
+    if poisoned and config.strict:
+        lines = [f"  {path}: {f.category} {f.op} at {f.location}" for path, fs in poisoned.items() for f in fs]
+        raise ConfigError("strict=True: selected regions contain ops that cannot be captured:\n" + "\n".join(lines))
+
+    # Modules that contain a selected region (the "moe" block around "moe_router") are containers: their own
+    # ops (reshapes between router and preprocess) are glue, not an unselected region.
+    containers = {".".join(path.split(".")[:i]) for region in region_of.values() if region is not None
+                  for path in [region[0]] for i in range(len(path.split(".")))}
+    runs: List[_Run] = []
+    for node in nodes:
+        region = region_of[node]
+        info = regions[node]
+        if node in blocking or (region is not None and region[0] in poisoned):
+            kind, key, glue = EAGER, None, False
+        elif region is not None:
+            kind, key, glue = CAPTURE, region, False
+        elif info.tagged and info.tagged[-1][0] not in containers:  # inside a tagged module not selected
+            kind, key, glue = EAGER, None, False
+        else:
+            kind, key, glue = EAGER, ("glue", layer_of(info.module)), True
+        layer = layer_of(region[0] if region else info.module)
+        if runs and runs[-1].kind == kind and runs[-1].key == key and runs[-1].glue == glue:
+            runs[-1].nodes.append(node)
+        else:
+            runs.append(_Run(kind, key, layer, [node], glue))
+
+    if config.strict_modules:
+        return runs
+    # Absorb glue (norms, residual adds) next to a captured run of the same layer, then merge captured
+    # neighbours of one layer: one graph per layer instead of one per module.
+    captured = [run.kind == CAPTURE for run in runs]
+    for i, run in enumerate(runs):
+        if not run.glue or run.layer is None:
+            continue
+        neighbours = [j for j in (i - 1, i + 1) if 0 <= j < len(runs) and captured[j]]
+        if any(runs[j].layer == run.layer for j in neighbours):
+            run.kind = CAPTURE
+    merged: List[_Run] = []
+    for run in runs:
+        last = merged[-1] if merged else None
+        if last is not None and last.kind == run.kind == CAPTURE and last.layer is not None \
+                and last.layer == run.layer:
+            last.nodes.extend(run.nodes)
+        else:
+            merged.append(run)
+    return merged
+
+
+def _not_captured_reason(node: fx.Node, info: RegionInfo, selected) -> Finding:
+    if info.tagged:
+        tag = info.tagged[-1][1]
+        return Finding("not_selected", op_name(node), node_location(node), info.module,
+                       hint=f"add '{tag}' to cuda_graph_modules to capture it",
+                       detail=f"module tag '{tag}' is not in cuda_graph_modules")
+    return Finding("untagged", op_name(node), node_location(node), info.module,
+                   hint="tag its module with cgcompile.tag(...), or leave cuda_graph_modules empty to capture "
+                        "every capture-safe span",
+                   detail="not inside a selected module")
+
+
+def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> List[Partition]:
+    """Apply min_partition_ops, coalesce eager neighbours, and attach tags, module paths and reasons."""
+    for run in runs:
+        if run.kind == CAPTURE and sum(counts_as_op(n) for n in run.nodes) < config.min_partition_ops:
+            run.kind = EAGER
+            run.key = "small"
+    coalesced: List[_Run] = []
+    for run in runs:
+        if coalesced and coalesced[-1].kind == run.kind == EAGER:
+            coalesced[-1].nodes.extend(run.nodes)
+            coalesced[-1].key = coalesced[-1].key if coalesced[-1].key == "small" else run.key
+        else:
+            coalesced.append(_Run(run.kind, run.key, run.layer, list(run.nodes), run.glue))
+
+    partitions = []
+    for pid, run in enumerate(coalesced):
+        tags: Dict[str, None] = {}
+        for node in run.nodes:
+            tagged = regions[node].innermost_tag(selected or None)
+            if tagged is not None:
+                tags.setdefault(tagged[1])
+        num_ops = sum(counts_as_op(n) for n in run.nodes)
+        reasons: Dict[tuple, Finding] = {}
+        if run.kind == EAGER:
+            for node in run.nodes:
+                f = blocking.get(node)
+                if f is not None:
+                    reasons.setdefault((f.category, f.op, f.location), f)
+            if not reasons:
+                node = next((n for n in run.nodes if counts_as_op(n)), run.nodes[0])
+                if config.cuda_graph_impl == CudaGraphImpl.NONE:
+                    f = Finding("disabled", "-", None, None, hint="set cuda_graph_impl to 'local' to capture",
+                                detail="cuda_graph_impl is 'none'")
+                elif scope == OFF_SCOPE:
+                    f = Finding("disabled", "-", None, None,
+                                hint="use cuda_graph_impl='local' with inference_cuda_graph_scope 'layer' or 'block'",
+                                detail=f"no-grad graphs are not captured with inference_cuda_graph_scope="
+                                       f"'{config.inference_cuda_graph_scope.value}'")
+                elif selected and not any(run_node in blocking for run_node in run.nodes) and run.key != "small":
+                    f = _not_captured_reason(node, regions[node], selected)
+                else:
+                    f = Finding("too_small", op_name(node), node_location(node), regions[node].module,
+                                hint="lower min_partition_ops to capture it",
+                                detail=f"{num_ops} ops < min_partition_ops={config.min_partition_ops}: "
+                                       f"replay overhead would eat the gain")
+                reasons[(f.category, f.op, f.location)] = f
+        partitions.append(Partition(pid, run.kind, tuple(tags), common_module([regions[n].module for n in run.nodes]),
+                                    num_ops, tuple(reasons.values()), tuple(n.name for n in run.nodes)))
+    return partitions
+
+
+def split(gm: fx.GraphModule, graph_plan: GraphPlan) -> fx.GraphModule:
+    """Cut the graph into one submodule per partition, named `submod_<partition id>`."""
+    owner = graph_plan.node_to_partition
+    default = graph_plan.partitions[0].id if graph_plan.partitions else 0
+
+    def callback(node: fx.Node) -> int:
+        return owner.get(node.name, default)
+
+    return split_module(gm, None, callback, keep_original_order=True)

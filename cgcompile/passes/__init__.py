@@ -1,0 +1,41 @@
+"""Analyses over a Dynamo FX graph. Each pass is a pure function `graph module -> {node: [Finding]}`.
+
+The partitioner combines them; nothing here mutates the graph or depends on the config.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+import torch.fx as fx
+
+from .collectives import find_data_dependent_collectives
+from .common import Finding, compute_nodes, is_static_placeholder, node_location, node_module_path, op_name
+from .custom_ops import find_cudagraph_unsafe_ops
+from .dynamic_shapes import find_data_dependent_shapes
+from .mutation import find_input_mutations
+from .regions import RegionInfo, module_regions
+from .sync_ops import find_host_syncs
+
+__all__ = [
+    "Finding", "RegionInfo", "analyze", "compute_nodes", "is_static_placeholder", "module_regions",
+    "node_location", "node_module_path", "op_name",
+]
+
+# Most specific first: when several passes flag one node, the plan reports the first one's category first.
+PASSES: List[Callable[[fx.GraphModule], Dict[fx.Node, List[Finding]]]] = [
+    find_data_dependent_collectives,
+    find_host_syncs,
+    find_cudagraph_unsafe_ops,
+    find_input_mutations,
+    find_data_dependent_shapes,
+]
+
+
+def analyze(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
+    """Every blocking finding per node, most specific first; a node absent from the result is capture-safe."""
+    merged: Dict[fx.Node, List[Finding]] = {}
+    for run_pass in PASSES:
+        for node, findings in run_pass(gm).items():
+            merged.setdefault(node, []).extend(findings)
+    return merged

@@ -1,0 +1,147 @@
+"""What every pass needs: the Finding record and how to name a node's op, user location and module."""
+
+from __future__ import annotations
+
+import operator
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.fx as fx
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+_DYNAMO_ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")
+_INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
+COMPUTE_OPS = ("call_function", "call_method", "call_module")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Why one node cannot be captured: category, op, the user's file:line, module path, and a fix hint."""
+
+    category: str
+    op: str
+    location: Optional[str]
+    module: Optional[str]
+    hint: Optional[str] = None
+    detail: Optional[str] = None
+
+    def to_json(self) -> dict:
+        return {"category": self.category, "op": self.op, "location": self.location, "module": self.module,
+                "hint": self.hint, "detail": self.detail}
+
+
+def compute_nodes(gm: fx.GraphModule) -> Iterator[fx.Node]:
+    """Nodes that run an op (no placeholders, get_attr or output)."""
+    return (n for n in gm.graph.nodes if n.op in COMPUTE_OPS)
+
+
+def counts_as_op(node: fx.Node) -> bool:
+    """Whether a node counts toward a partition's size: tuple unpacking is free at replay."""
+    return node.op in COMPUTE_OPS and node.target is not operator.getitem
+
+
+def node_location(node: fx.Node) -> Optional[str]:
+    """The innermost user frame of the node's stack trace as 'file:line'."""
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    if not frames:
+        return None
+    path, line = frames[-1]
+    return f"{path}:{line}"
+
+
+def short_location(location: Optional[str]) -> str:
+    """'file.py:12' for tables; the JSON keeps the full path."""
+    return os.path.basename(location) if location else "?"
+
+
+def clean_module_path(dynamo_path: str) -> str:
+    """Dynamo's "L['self'].layers[0].attn" -> "layers.0.attn" (the root's name depends on forward's signature)."""
+    path = _DYNAMO_ROOT.sub("", dynamo_path)
+    path = path.replace("._modules", "")
+    path = _INDEX.sub(r".\1", path)
+    return path.strip(".").replace("..", ".")
+
+
+def module_stack(node: fx.Node) -> list:
+    """[(clean path, module class), ...] from outermost to innermost module."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [(clean_module_path(path), cls) for path, cls in stack.values()]
+
+
+def node_module_path(node: fx.Node) -> Optional[str]:
+    stack = module_stack(node)
+    return stack[-1][0] or None if stack else None
+
+
+def op_name(node: fx.Node) -> str:
+    """A readable name for the op a node runs: 'torch.nonzero', 'Tensor.item', 'aten.nonzero.default'."""
+    target = node.target
+    if node.op == "call_method":
+        return f"Tensor.{target}"
+    if node.op == "call_module":
+        return str(target)
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    name = getattr(target, "__name__", None) or str(target)
+    if getattr(torch, name, None) is target or getattr(torch.nn.functional, name, None) is target:
+        return f"torch.{name}" if getattr(torch, name, None) is target else f"F.{name}"
+    if getattr(operator, name, None) is target:
+        return f"operator.{name}"
+    if getattr(torch._C._nn, name, None) is target:
+        return f"F.{name}"
+    module = getattr(target, "__module__", None)
+    return f"{module}.{name}" if module else name
+
+
+def finding(node: fx.Node, category: str, *, hint: Optional[str] = None, detail: Optional[str] = None,
+            op: Optional[str] = None) -> Finding:
+    return Finding(category, op or op_name(node), node_location(node), node_module_path(node), hint, detail)
+
+
+def example_value(node: fx.Node) -> Any:
+    """The fake value Dynamo recorded for the node (a FakeTensor, SymInt, or a tuple of them)."""
+    meta = node.meta
+    return meta["example_value"] if "example_value" in meta else meta.get("val")
+
+
+def is_static_placeholder(node: fx.Node) -> bool:
+    """Parameters and buffers: Dynamo marks them, and their addresses stay fixed between calls."""
+    if node.op != "placeholder":
+        return False
+    if (node.meta.get("tensor_dict") or {}).get("_dynamo_static_input_type"):
+        return True
+    return isinstance(example_value(node), torch.nn.Parameter)
+
+
+def aten_packet(node: fx.Node):
+    """The aten overload packet a torch-level node maps to, if any (torch.nonzero -> aten.nonzero)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target
+    name = target if node.op == "call_method" else getattr(target, "__name__", None)
+    if not isinstance(name, str) or name.startswith("_") or node.op == "call_module":
+        return None
+    if node.op == "call_function" and getattr(torch, name, None) is not target \
+            and getattr(torch.Tensor, name, None) is not target:
+        return None
+    return getattr(torch.ops.aten, name, None)
+
+
+def has_tag(node: fx.Node, tag: "torch.Tag") -> bool:
+    """Whether the op (or, for a torch-level call, its aten counterpart's default overload) carries `tag`."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return tag in target.tags
+    packet = aten_packet(node)
+    if packet is None:
+        return False
+    try:
+        overloads = [getattr(packet, name) for name in packet.overloads()]
+    except (AttributeError, RuntimeError):
+        return False
+    return bool(overloads) and any(tag in o.tags for o in overloads[:1])

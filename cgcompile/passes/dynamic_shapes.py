@@ -1,0 +1,54 @@
+"""Data-dependent shapes, decided with sympy over the FakeTensor shapes Dynamo recorded.
+
+Unbacked symbols (u0, ...) are sizes known only after the op ran: nothing whose shape involves one can be
+captured (a graph fixes shapes at capture). Backed symbols (s0, ... from dynamic=True) are known on entry, so
+those partitions are capturable once per concrete size, in the runtime's graph bank.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+from .common import Finding, compute_nodes, example_value, finding, has_tag
+
+_ORIGIN_HINT = "use a static-shape form (torch.nonzero_static, output_size=, or pad each group to a fixed capacity)"
+
+
+def _unbacked(value) -> set:
+    try:
+        return set(free_unbacked_symbols(value))
+    except Exception:  # values that carry no shapes (None, strings, dtypes)
+        return set()
+
+
+def _input_symbols(node: fx.Node) -> set:
+    symbols: set = set()
+    for arg in node.all_input_nodes:
+        symbols |= _unbacked(example_value(arg))
+    return symbols
+
+
+def find_data_dependent_shapes(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
+    found: Dict[fx.Node, List[Finding]] = {}
+    origin_of: Dict[object, fx.Node] = {}  # unbacked symbol -> the node that created it
+    for node in compute_nodes(gm):
+        out_symbols = _unbacked(example_value(node))
+        in_symbols = _input_symbols(node)
+        new_symbols = out_symbols - in_symbols
+        for sym in new_symbols:
+            origin_of.setdefault(sym, node)
+        if new_symbols or has_tag(node, torch.Tag.dynamic_output_shape):
+            names = ", ".join(sorted(str(s) for s in new_symbols)) or "its output"
+            found[node] = [finding(node, "dynamic_shape", hint=_ORIGIN_HINT,
+                                   detail=f"output shape depends on tensor data ({names})")]
+        elif out_symbols or in_symbols:
+            sym = sorted(out_symbols | in_symbols, key=str)[0]
+            origin = origin_of.get(sym)
+            source = f" from {origin.name}" if origin is not None else ""
+            found[node] = [finding(node, "dynamic_shape", hint=_ORIGIN_HINT if origin is None else None,
+                                   detail=f"works on a data-dependent size ({sym}{source})")]
+    return found

@@ -1,0 +1,68 @@
+"""Host syncs: ops that make the CPU wait for a device value. They cannot run inside a CUDA graph
+("operation not permitted when stream is capturing"), so they stay eager."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+from .common import Finding, compute_nodes, example_value, finding, has_tag
+
+_SCALAR_METHODS = {
+    "item": "keep the value on the device as a 0-d tensor (e.g. torch.where instead of a Python if)",
+    "tolist": "use fixed split sizes (pad each group to a capacity) so no host copy is needed",
+    "__bool__": "avoid Python control flow on tensor values; use torch.where",
+    "__int__": "keep the value on the device as a tensor",
+    "__float__": "keep the value on the device as a tensor",
+    "numpy": "move the host copy out of the captured region",
+    "cpu": "move the host copy out of the captured region, or keep the tensor on the device",
+}
+_CPU_COPY_HINT = _SCALAR_METHODS["cpu"]
+
+
+def _is_cpu_device(value) -> bool:
+    if isinstance(value, str):
+        return value.split(":")[0] == "cpu"
+    return isinstance(value, torch.device) and value.type == "cpu"
+
+
+def _copies_to_cpu(node: fx.Node) -> bool:
+    """`.to("cpu")`, `.to(device="cpu")`, `.to(torch.device("cpu"))`."""
+    is_to = (node.op == "call_method" and node.target == "to") or node.target is torch.Tensor.to
+    if not is_to:
+        return False
+    candidates = list(node.args[1:]) + [node.kwargs.get("device")]
+    return any(_is_cpu_device(v) for v in candidates)
+
+
+def _produces_unbacked_scalar(node: fx.Node) -> bool:
+    """A Python scalar (SymInt/SymFloat/SymBool) whose value is only known at run time came off the device."""
+    value = example_value(node)
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) and free_unbacked_symbols(v)
+               and node.target not in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default)
+               for v in values)
+
+
+def find_host_syncs(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
+    found: Dict[fx.Node, List[Finding]] = {}
+    for node in compute_nodes(gm):
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
+        if node.op == "call_method" and name in _SCALAR_METHODS:
+            found[node] = [finding(node, "host_sync", hint=_SCALAR_METHODS[name],
+                                   detail=f"Tensor.{name}() copies a device value to the host")]
+        elif node.target in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
+            found[node] = [finding(node, "host_sync", hint=_SCALAR_METHODS["item"],
+                                   detail="reads a device scalar on the host")]
+        elif _copies_to_cpu(node):
+            found[node] = [finding(node, "host_sync", hint=_CPU_COPY_HINT, detail="copies a tensor to the CPU")]
+        elif has_tag(node, torch.Tag.data_dependent_output):
+            found[node] = [finding(node, "host_sync", hint="compare on the device and keep the result a tensor",
+                                   detail="its Python result depends on device values")]
+        elif _produces_unbacked_scalar(node):
+            found[node] = [finding(node, "host_sync", hint=_SCALAR_METHODS["item"],
+                                   detail="produces a Python scalar from device data")]
+    return found

@@ -1,0 +1,132 @@
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import cgcompile
+from cgcompile.backend import record_plans
+from cgcompile.passes import module_regions
+from cgcompile.tagging import is_eager_region
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = Inner()
+        self.b = Inner()
+
+    def forward(self, x):
+        return self.b(self.a(x)) + 1
+
+
+def regions_seen(model, x):
+    """Tags as the backend sees them, from the nn_module_stack of the graph Dynamo hands it."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        for node, info in module_regions(gm).items():
+            if info.tagged:
+                seen[info.tagged[-1][0]] = info.tagged[-1][1]
+        return gm.forward
+
+    torch.compile(model, backend=backend)(x)
+    return seen
+
+
+def test_class_decorator_tags_every_instance():
+    @cgcompile.tag("mlp")
+    class Tagged(Inner):
+        pass
+
+    assert cgcompile.tag_of(Tagged()) == "mlp"
+    model = Outer()
+    model.a = Tagged()
+    assert regions_seen(model, torch.randn(2, 4)) == {"a": "mlp"}
+
+
+def test_instance_tag_keeps_behaviour_state_dict_isinstance_and_survives_deepcopy():
+    model = Outer()
+    x = torch.randn(2, 4)
+    before_out, before_sd = model(x), {k: v.clone() for k, v in model.state_dict().items()}
+    cgcompile.tag("attn")(model.b)
+    assert isinstance(model.b, Inner) and type(model.b) is not Inner and type(model.a) is Inner
+    assert type(model.b).__name__ == "Inner"
+    assert torch.equal(model(x), before_out)
+    assert model.state_dict().keys() == before_sd.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before_sd.items())
+    clone = copy.deepcopy(model)
+    assert cgcompile.tag_of(clone.b) == "attn" and cgcompile.tag_of(clone.a) is None
+    assert regions_seen(clone, x) == {"b": "attn"}
+
+
+def test_untag_restores_the_original_class():
+    model = Outer()
+    cgcompile.tag("attn")(model.a)
+    cgcompile.untag(model.a)
+    assert type(model.a) is Inner and cgcompile.tag_of(model.a) is None
+    assert regions_seen(model, torch.randn(2, 4)) == {}
+
+
+def test_untag_class():
+    @cgcompile.tag("mlp")
+    class Tagged(Inner):
+        pass
+
+    cgcompile.untag(Tagged)
+    assert cgcompile.tag_of(Tagged()) is None
+
+
+def test_tag_modules_by_pattern_and_error_when_nothing_matches():
+    model = nn.Sequential(Outer(), Outer())
+    cgcompile.tag_modules(model, {"*.a": "attn", "1.b": "mlp"})
+    assert [cgcompile.tag_of(m) for m in (model[0].a, model[1].a, model[0].b, model[1].b)] == \
+        ["attn", "attn", None, "mlp"]
+    with pytest.raises(cgcompile.ConfigError, match=r"pattern 'layers\.\*\.attn' \(tag 'attn'\) matches no submodule"):
+        cgcompile.tag_modules(model, {"layers.*.attn": "attn"})
+
+
+def test_bad_tag_name():
+    with pytest.raises(cgcompile.ConfigError, match="'my tag' is not valid"):
+        cgcompile.tag("my tag")
+
+
+def test_eager_region_on_instance_and_class():
+    model = Outer()
+    cgcompile.eager_region(model.a)
+    assert is_eager_region(model.a) and not is_eager_region(model.b)
+
+    @cgcompile.eager_region
+    class Never(Inner):
+        pass
+
+    assert is_eager_region(Never())
+    # a tag and the eager mark combine on one instance
+    cgcompile.tag("attn")(model.a)
+    assert is_eager_region(model.a) and cgcompile.tag_of(model.a) == "attn"
+
+
+def test_eager_region_is_never_captured():
+    model = Outer()
+    cgcompile.eager_region(model.a)
+    with record_plans() as rec:
+        torch.compile(model, backend="cudagraph_modules", options={"min_partition_ops": 1})(torch.randn(2, 4))
+    (graph,) = rec.graphs
+    eager_reasons = [r for p in graph.partitions if not p.captured for r in p.reasons]
+    assert any(r.category == "eager_region" and r.module == "a.lin" for r in eager_reasons)
+    assert [p.kind for p in graph.partitions] == ["eager", "capture"]
+    assert graph.partitions[0].module == "a" and graph.partitions[1].num_ops == 3  # b.lin, relu, + 1
+
+
+def test_tagging_rejects_non_modules():
+    with pytest.raises(TypeError):
+        cgcompile.tag("attn")(object())
