@@ -28,11 +28,11 @@ def execution_note(graph: GraphPlan, config) -> str:
     """Why this plan will or will not really capture on this run (CPU runs say what would be captured)."""
     driver = config.driver.value
     if driver == "eager":
-        return "driver=eager: nothing is captured; capture marks what would be"
+        return "driver=eager: nothing is captured (capture marks what would be)"
     if driver == "emulate":
         return "driver=emulate: capture is emulated on the CPU"
     if graph.device != "cuda" and driver == "auto":
-        return f"runs eagerly: tensors are on {graph.device}; capture marks what would be captured on a GPU"
+        return f"runs eagerly: tensors are on {graph.device} (capture marks what would be captured on a GPU)"
     return f"captured with driver={driver} on {graph.device}"
 
 

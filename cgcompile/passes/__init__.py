@@ -34,8 +34,10 @@ PASSES: List[Callable[[fx.GraphModule], Dict[fx.Node, List[Finding]]]] = [
 
 def analyze(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
     """Every blocking finding per node, most specific first; a node absent from the result is capture-safe."""
+    results = [run_pass(gm) for run_pass in PASSES]
     merged: Dict[fx.Node, List[Finding]] = {}
-    for run_pass in PASSES:
-        for node, findings in run_pass(gm).items():
-            merged.setdefault(node, []).extend(findings)
+    for node in compute_nodes(gm):  # graph order, so reports read top to bottom
+        found = [f for result in results for f in result.get(node, ())]
+        if found:
+            merged[node] = found
     return merged

@@ -59,10 +59,8 @@ def short_location(location: Optional[str]) -> str:
 
 def clean_module_path(dynamo_path: str) -> str:
     """Dynamo's "L['self'].layers[0].attn" -> "layers.0.attn" (the root's name depends on forward's signature)."""
-    path = _DYNAMO_ROOT.sub("", dynamo_path)
-    path = path.replace("._modules", "")
-    path = _INDEX.sub(r".\1", path)
-    return path.strip(".").replace("..", ".")
+    path = _INDEX.sub(r".\1", _DYNAMO_ROOT.sub("", dynamo_path))
+    return ".".join(part for part in path.split(".") if part and part != "_modules")
 
 
 def module_stack(node: fx.Node) -> list:

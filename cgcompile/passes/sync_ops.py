@@ -39,12 +39,20 @@ def _copies_to_cpu(node: fx.Node) -> bool:
 
 
 def _produces_unbacked_scalar(node: fx.Node) -> bool:
-    """A Python scalar (SymInt/SymFloat/SymBool) whose value is only known at run time came off the device."""
+    """A new Python scalar (SymInt/SymFloat/SymBool) known only at run time came off the device. Arithmetic on
+    existing symbols (u0 >= 0, sizes of a nonzero result) creates no new symbol and is not a sync."""
     value = example_value(node)
     values = value if isinstance(value, (list, tuple)) else [value]
-    return any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) and free_unbacked_symbols(v)
-               and node.target not in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default)
-               for v in values)
+    scalars = [v for v in values if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))]
+    if not scalars:
+        return False
+    known = set()
+    for arg in node.all_input_nodes:
+        try:
+            known |= set(free_unbacked_symbols(example_value(arg)))
+        except Exception:
+            continue
+    return any(set(free_unbacked_symbols(v)) - known for v in scalars)
 
 
 def find_host_syncs(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:

@@ -1,0 +1,56 @@
+"""Process-wide runtime counters: proof that capture happened, and why it did not.
+
+`stats()` returns a snapshot (a plain dict, safe to keep); `reset_stats()` zeroes everything. Tests and
+benchmarks assert on these. Updates take a lock, so counters stay exact if partitions run on several threads.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any, Dict
+
+_lock = threading.Lock()
+
+
+def _zero() -> Dict[str, Any]:
+    return {
+        "graphs_captured": 0,    # driver captures (forward, backward and inference graphs each count one)
+        "replays": 0,            # graph replays
+        "eager_fallbacks": [],   # {"partition", "reason"}: each distinct (partition, reason) once
+        "recaptures": [],        # {"partition", "reason"}: every re-capture of an existing graph
+        "pool_bytes": 0,         # device memory reserved while capturing (CUDA only; 0 elsewhere)
+        "capture_seconds": 0.0,  # wall time spent in warmup-compile and capture
+    }
+
+
+_state = _zero()
+
+
+def stats() -> Dict[str, Any]:
+    """A snapshot of the counters since the last reset_stats()."""
+    with _lock:
+        return copy.deepcopy(_state)
+
+
+def reset_stats() -> None:
+    """Zero every counter (does not touch captured graphs)."""
+    global _state
+    with _lock:
+        _state = _zero()
+
+
+def add(name: str, amount: float = 1) -> None:
+    """Increase a numeric counter."""
+    with _lock:
+        _state[name] += amount
+
+
+def record(name: str, partition: str, reason: str, *, once: bool = False) -> bool:
+    """Append {partition, reason} to a list counter; with once=True skip (and return False) if present."""
+    entry = {"partition": partition, "reason": reason}
+    with _lock:
+        if once and entry in _state[name]:
+            return False
+        _state[name].append(entry)
+        return True
