@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from .config import CudaGraphConfig, CudaGraphImpl, InferenceCudaGraphScope
-from .diagnostics import log_graph_plan
+from .diagnostics import full_iteration_error, log_graph_plan
 from .errors import ConfigError
 from .logs import register_with_torch_logs
 from .partition import BLOCK_SCOPE, LAYER_SCOPE, OFF_SCOPE, GraphPlan, plan_graph, split
@@ -89,6 +89,8 @@ def cudagraph_modules(gm: fx.GraphModule, example_inputs: List[Any], options: Op
     for listener in getattr(_listeners, "stack", ()):
         listener.graphs.append(graph_plan)
     log_graph_plan(graph_plan, config)
+    if config.cuda_graph_impl == CudaGraphImpl.FULL_ITERATION and not all(p.captured for p in graph_plan.partitions):
+        raise ConfigError(full_iteration_error(graph_plan))
     return compile_frame(gm, example_inputs, graph_plan, config)
 
 

@@ -96,3 +96,30 @@ def log_graph_plan(graph: GraphPlan, config) -> None:
                 log.debug("graph %d node %s: %s %s at %s in %s: %s%s", graph.index, node, f.category, f.op,
                           f.location or "?", f.module or "<root>", f.detail or "",
                           f"; hint: {f.hint}" if f.hint else "")
+
+
+def full_iteration_error(graph: GraphPlan) -> str:
+    """The one error full_iteration raises when the frame cannot be a single graph: every blocking op, with
+    its file:line and fix hint (Megatron's "no sync in the step" rule, derived from the graph). Ops that are
+    blocked only because they consume a data-dependent size are counted, not listed: fixing the cause fixes them."""
+    unique = {}
+    for p in graph.partitions:
+        if not p.captured:
+            for r in p.reasons:
+                unique.setdefault((r.category, r.op, r.location), r)
+    causes = [r for r in unique.values() if not is_downstream(r)]
+    downstream = len(unique) - len(causes)
+    lines = [f"cuda_graph_impl='full_iteration' needs the whole step in one graph, but graph {graph.index} has "
+             f"{len(causes)} op(s) that cannot be captured:"]
+    for r in causes:
+        where = f" in {r.module}" if r.module else ""
+        lines.append(f"  {r.location or '?'}: {r.category} {r.op}{where}" + (f" -- {r.hint}" if r.hint else ""))
+    if downstream:
+        lines.append(f"  (and {downstream} op(s) whose shapes depend on their results)")
+    lines.append("Fix them, or use cuda_graph_impl='local' to capture around them.")
+    return "\n".join(lines)
+
+
+def is_downstream(finding) -> bool:
+    """A dynamic-shape finding on an op that only consumes a data-dependent size (not its origin)."""
+    return finding.category == "dynamic_shape" and finding.hint is None

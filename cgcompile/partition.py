@@ -301,8 +301,10 @@ def _not_captured_reason(node: fx.Node, info: RegionInfo, selected) -> Finding:
 
 def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> List[Partition]:
     """Apply min_partition_ops, coalesce eager neighbours, and attach tags, module paths and reasons."""
+    whole_frame = config.cuda_graph_impl == CudaGraphImpl.FULL_ITERATION  # one graph, however small
     for run in runs:
-        if run.kind == CAPTURE and sum(counts_as_op(n) for n in run.nodes) < config.min_partition_ops:
+        if run.kind == CAPTURE and not whole_frame \
+                and sum(counts_as_op(n) for n in run.nodes) < config.min_partition_ops:
             run.kind = EAGER
             run.key = "small"
     coalesced: List[_Run] = []

@@ -15,6 +15,7 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 _DYNAMO_ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")
 _INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,15 @@ def counts_as_op(node: fx.Node) -> bool:
 
 
 def node_location(node: fx.Node) -> Optional[str]:
-    """The innermost user frame of the node's stack trace as 'file:line'."""
+    """The innermost frame of the node's stack trace outside torch itself, as 'file:line'.
+
+    Dynamo inlines torch's own Python (`dist.all_reduce` -> `_functional_collectives`), so the innermost frame
+    can be inside torch; the user's call is the last frame before it."""
     frames = _FRAME.findall(node.meta.get("stack_trace") or "")
     if not frames:
         return None
-    path, line = frames[-1]
+    path, line = next(((p, n) for p, n in reversed(frames) if not os.path.abspath(p).startswith(_TORCH_DIR)),
+                      frames[-1])
     return f"{path}:{line}"
 
 
