@@ -8,9 +8,12 @@ from .config import CudaGraphConfig, CudaGraphImpl, CudaGraphModule, CudaGraphSc
 from .errors import ConfigError
 from .explain import explain
 from .partition import Plan
+from .runtime.whole_step import capture_step
 from .tagging import eager_region, tag, tag_modules, tag_of, untag
+from .stats import reset_stats, stats  # last: the functions, not the module, are the public names
 
 __all__ = [
     "ConfigError", "CudaGraphConfig", "Plan", "explain", "CudaGraphImpl", "CudaGraphModule", "CudaGraphScope",
-    "InferenceCudaGraphScope", "eager_region", "tag", "tag_modules", "tag_of", "untag",
+    "InferenceCudaGraphScope", "capture_step", "eager_region", "reset_stats", "stats", "tag", "tag_modules",
+    "tag_of", "untag",
 ]

@@ -10,26 +10,58 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = [
-    "TorchDispatchMode", "aot_module_simplified", "boxed", "cuda_end_allocate_to_pool", "inductor_compile",
-    "storage_id", "storage_use_count",
-]
+__all__ = ["TorchDispatchMode", "aot_compile", "boxed", "cuda_end_allocate_to_pool", "storage_key",
+           "storage_use_count", "tree_flatten", "tree_unflatten"]
+
+# torch.utils._pytree: the pytree helpers torch.compile itself uses; private module, stable API; checked 2.11, 2.13.
+from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: E402
 
 # torch.utils._python_dispatch.TorchDispatchMode: a private module, stable since 1.13; checked 2.11, 2.13.
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 
-def aot_module_simplified(mod: torch.fx.GraphModule, args: Sequence[Any], *, fw_compiler: Callable,
-                          bw_compiler: Callable, inference_compiler: Callable) -> Callable[..., Any]:
-    """torch._functorch.aot_autograd.aot_module_simplified (checked 2.11, 2.13).
+def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
+                make_runner: Callable[[str, Callable[[list], Any], torch.fx.GraphModule], Callable[[list], Any]], *,
+                inductor: bool = False) -> Callable[..., Any]:
+    """Run aot_autograd over `mod` (which must return a tuple) and return its positional callable.
 
-    Returns a callable with `mod`'s positional calling convention (the non-boxed one, see its source), whose
-    forward/backward/inference graphs are what our compilers returned. It fakifies `args` in a fresh
-    FakeTensorMode when no tracing context is active, so calling it at run time with real tensors is fine.
+    For every graph aot produces ("forward", "backward" or "inference"), `make_runner(kind, run, gm)` is
+    called with `run(args: list)` executing that graph uncaptured and the aten graph `gm` itself (before
+    Inductor), and returns what aot will call instead (boxed: one list argument). `args` may be real tensors: aot fakifies them in a fresh FakeTensorMode when no
+    tracing context is active.
+
+    - inductor=False: torch._functorch.aot_autograd.aot_module_simplified (checked 2.11, 2.13); `run` calls
+      the aten graph module.
+    - inductor=True: torch._inductor.compile_fx.compile_fx with a custom `inner_compile` (checked 2.13),
+      so Inductor's decompositions, joint-graph passes and partitioner apply, and each graph is compiled by
+      compile_fx_inner. Inductor's own cudagraphs are forced off (we capture), and the AOTAutograd cache is
+      off (a cache hit would return compiled graphs without calling inner_compile, i.e. without capture).
     """
-    from torch._functorch.aot_autograd import aot_module_simplified as aot
+    if not inductor:
+        from torch._functorch.aot_autograd import aot_module_simplified
 
-    return aot(mod, args, fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler)
+        def compiler(kind: str) -> Callable:
+            def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+                return boxed(make_runner(kind, lambda graph_args: gm(*graph_args), gm))
+            return compile_graph
+
+        return aot_module_simplified(mod, list(args), fw_compiler=compiler("forward"),
+                                     bw_compiler=compiler("backward"), inference_compiler=compiler("inference"))
+
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+        kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
+        kwargs["cudagraphs"] = None
+        compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+        return boxed(make_runner(kind, lambda graph_args: compiled(list(graph_args)), gm))
+
+    with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch({"triton.cudagraphs": False}):
+        # For a GraphModule this is aot_module_simplified's positional forward (its `_boxed_call` attribute,
+        # copied from the wrapped runtime function by simple_wraps, does not apply to it).
+        return compile_fx(mod, list(args), inner_compile=inner_compile)
 
 
 def boxed(fn: Callable[[list], Any]) -> Callable[[list], Any]:
@@ -42,24 +74,16 @@ def boxed(fn: Callable[[list], Any]) -> Callable[[list], Any]:
     return fn
 
 
-def inductor_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, is_backward: bool,
-                     is_inference: bool) -> Callable[[list], Any]:
-    """Inductor-compile one aot graph: torch._inductor.compile_fx.compile_fx_inner (checked 2.13).
+def storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """(data_ptr, handle) of t's storage; (0, 0) for an empty one (many empty storages share address 0).
 
-    Inductor's own cudagraphs stay off (its `cudagraphs` kwarg defaults to None = off): we capture the
-    result ourselves. The returned object is boxed (it takes one list, and may clear it).
+    The handle, UntypedStorage._cdata (checked 2.11, 2.13), is what storage_use_count takes; it stays valid
+    only while something keeps the storage alive (the runtime holds a tensor on every storage it tracks).
     """
-    from torch._inductor.compile_fx import compile_fx_inner
-
-    return compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=is_inference)
-
-
-def storage_id(t: torch.Tensor) -> int:
-    """A handle on t's StorageImpl for storage_use_count: UntypedStorage._cdata (checked 2.11, 2.13).
-
-    Valid only while something keeps the storage alive (the runtime holds a tensor on it).
-    """
-    return t.untyped_storage()._cdata
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0:
+        return 0, 0
+    return storage.data_ptr(), storage._cdata
 
 
 def storage_use_count(sid: int) -> int:

@@ -8,6 +8,7 @@ and `mode` as keyword arguments.
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -18,7 +19,10 @@ from .config import CudaGraphConfig, CudaGraphImpl, InferenceCudaGraphScope
 from .diagnostics import full_iteration_error, log_graph_plan
 from .errors import ConfigError
 from .logs import register_with_torch_logs
-from .partition import BLOCK_SCOPE, LAYER_SCOPE, OFF_SCOPE, GraphPlan, plan_graph, split
+from .passes import is_static_placeholder, node_location
+from .runtime.local import ModelRuntime, compile_partition
+from .runtime.te import TEFrame, resolve_graphing_fn
+from .partition import BLOCK_SCOPE, LAYER_SCOPE, OFF_SCOPE, GraphPlan, plan_graph, replace_submodule, split
 
 register_with_torch_logs()
 
@@ -89,14 +93,61 @@ def cudagraph_modules(gm: fx.GraphModule, example_inputs: List[Any], options: Op
     for listener in getattr(_listeners, "stack", ()):
         listener.graphs.append(graph_plan)
     log_graph_plan(graph_plan, config)
-    if config.cuda_graph_impl == CudaGraphImpl.FULL_ITERATION and not all(p.captured for p in graph_plan.partitions):
-        raise ConfigError(full_iteration_error(graph_plan))
+    if config.cuda_graph_impl == CudaGraphImpl.FULL_ITERATION:
+        check_one_graph(gm, graph_plan)
     return compile_frame(gm, example_inputs, graph_plan, config)
+
+
+_RESUME = re.compile(r'File "([^"]+)", line \d+, in torch_dynamo_resume_in_\w+_at_(\d+)')
+
+
+def check_one_graph(gm: fx.GraphModule, graph_plan: GraphPlan) -> None:
+    """full_iteration captures the frame as one graph: no eager island inside it, and no Dynamo graph break
+    before it (a graph Dynamo resumed after a break carries `torch_dynamo_resume_in_<fn>_at_<line>` frames)."""
+    if not all(p.captured for p in graph_plan.partitions):
+        raise ConfigError(full_iteration_error(graph_plan))
+    for node in gm.graph.nodes:
+        found = _RESUME.search(node.meta.get("stack_trace") or "")
+        if found:
+            raise ConfigError(
+                f"cuda_graph_impl='full_iteration' needs the whole step in one graph, but Dynamo broke the graph at "
+                f"{found.group(1)}:{found.group(2)}; run cgcompile.explain(...) or torch.compile(..., fullgraph=True) "
+                f"to see why, or use cuda_graph_impl='local' to capture around it.")
 
 
 def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan: GraphPlan,
                   config: CudaGraphConfig) -> Callable[..., Any]:
-    """Split the graph by plan and run each partition (captured partitions through the runtime)."""
+    """Split the graph by plan; captured partitions go to the runtime of `cuda_graph_impl`, eager ones run as
+    plain FX code. A graph with nothing to capture runs unsplit (no extra host overhead)."""
     if not graph_plan.captured:
         return gm.forward
-    return split(gm, graph_plan).forward
+    static_names = {n.name for n in gm.graph.nodes if is_static_placeholder(n)}
+    split_gm = split(gm, graph_plan)
+    captured = [p for p in graph_plan.partitions if p.captured]
+    names = [f"submod_{p.id}" for p in captured]
+    if config.cuda_graph_impl == CudaGraphImpl.TRANSFORMER_ENGINE:
+        graphing_fn, te_options = resolve_graphing_fn(config.te)
+        return TEFrame(split_gm, names, graphing_fn, te_options, config.cuda_graph_warmup_steps)
+
+    runtime = ModelRuntime(config, torch.device(graph_plan.device))
+    for name, partition in zip(names, captured):
+        submod = getattr(split_gm, name)
+        inputs = [n for n in submod.graph.nodes if n.op == "placeholder"]
+        first = partition.reasons[0].location if partition.reasons else None
+        wrapped = compile_partition(
+            submod, [n.meta.get("example_value") for n in inputs], name=f"graph {graph_plan.index} {name}",
+            static_input_indices=[i for i, n in enumerate(inputs) if n.name in static_names], runtime=runtime,
+            location=first or _first_location(submod))
+        if wrapped is not submod:
+            replace_submodule(split_gm, name, wrapped)
+    forward = split_gm.forward
+
+    def run(*args: Any) -> Any:
+        return runtime.finish_frame_outputs(forward(*args))
+
+    run.runtime = runtime  # type: ignore[attr-defined]  # for tests and tools
+    return run
+
+
+def _first_location(submod: fx.GraphModule) -> Optional[str]:
+    return next((loc for loc in map(node_location, submod.graph.nodes) if loc), None)

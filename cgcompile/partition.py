@@ -18,6 +18,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
@@ -307,6 +308,14 @@ def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> Lis
                 and sum(counts_as_op(n) for n in run.nodes) < config.min_partition_ops:
             run.kind = EAGER
             run.key = "small"
+    te_reasons: Dict[int, Finding] = {}
+    if config.cuda_graph_impl == CudaGraphImpl.TRANSFORMER_ENGINE:
+        for run in runs:
+            if run.kind == CAPTURE:
+                restriction = _te_restriction(run.nodes)
+                if restriction is not None:
+                    run.kind = EAGER
+                    te_reasons[id(run.nodes[0])] = restriction
     coalesced: List[_Run] = []
     for run in runs:
         if coalesced and coalesced[-1].kind == run.kind == EAGER:
@@ -326,7 +335,7 @@ def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> Lis
         reasons: Dict[tuple, Finding] = {}
         if run.kind == EAGER:
             for node in run.nodes:
-                f = blocking.get(node)
+                f = blocking.get(node) or te_reasons.get(id(node))
                 if f is not None:
                     reasons.setdefault((f.category, f.op, f.location), f)
             if not reasons:
@@ -352,6 +361,26 @@ def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> Lis
     return partitions
 
 
+def _te_restriction(nodes: List[fx.Node]) -> Optional[Finding]:
+    """make_graphed_callables takes and returns tensors only: a partition whose boundary carries a SymInt,
+    a Python number or None cannot be handed to it."""
+    inside = set(nodes)
+    for node in nodes:
+        crossing = [(arg, "takes") for arg in node.all_input_nodes if arg not in inside]
+        if any(user not in inside for user in node.users):
+            crossing.append((node, "returns"))
+        for value_node, verb in crossing:
+            value = value_node.meta.get("example_value", value_node.meta.get("val"))
+            values = value if isinstance(value, (list, tuple)) else [value]
+            bad = next((v for v in values if not isinstance(v, torch.Tensor)), None)
+            if values and bad is not None or value is None:
+                return Finding("te_restriction", op_name(node), node_location(node), node_module_path(node),
+                               hint="make the value a tensor, or use cuda_graph_impl='local'",
+                               detail=f"transformer_engine graphs take and return tensors only; this partition "
+                                      f"{verb} {value_node.name} = {value!r}")
+    return None
+
+
 def split(gm: fx.GraphModule, graph_plan: GraphPlan) -> fx.GraphModule:
     """Cut the graph into one submodule per partition, named `submod_<partition id>`."""
     owner = graph_plan.node_to_partition
@@ -361,3 +390,20 @@ def split(gm: fx.GraphModule, graph_plan: GraphPlan) -> fx.GraphModule:
         return owner.get(node.name, default)
 
     return split_module(gm, None, callback, keep_original_order=True)
+
+
+class _CallableModule(torch.nn.Module):
+    """Holds a runtime callable where the split graph calls a submodule."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def replace_submodule(split_gm: fx.GraphModule, name: str, fn) -> None:
+    """Make the split graph call `fn` (a module or any callable) in place of its submodule `name`."""
+    delattr(split_gm, name)
+    setattr(split_gm, name, fn if isinstance(fn, torch.nn.Module) else _CallableModule(fn))

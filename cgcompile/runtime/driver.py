@@ -1,0 +1,365 @@
+"""Capture/replay drivers: one small interface, three implementations.
+
+`driver.capture(fn, static_inputs, pool)` runs `fn(list_of_inputs) -> list_of_outputs` so that later
+`graph.replay()` re-executes it reading `static_inputs` and writing the *same* output tensor objects it
+returned at capture (`graph.static_outputs`). The runtime (local.py) owns all buffer logic: what to copy in,
+what to hand out, when a graph may be replayed. Drivers only capture and replay.
+
+- `cuda`: real CUDA graphs (torch.cuda.CUDAGraph), captured on a side stream into a caller-chosen pool.
+- `emulate`: a CPU stand-in with the same buffer semantics, so the runtime's aliasing and copy logic is
+  exercised exactly as on a GPU (see EmulateDriver for what it cannot imitate).
+- `eager`: no capture at all; replay just calls fn on the static inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+
+from .. import _compat
+
+__all__ = ["CaptureError", "CapturedGraph", "CudaDriver", "Driver", "EagerDriver", "EmulateDriver",
+           "get_driver", "is_capturing"]
+
+Fn = Callable[[list], Sequence[Any]]
+
+_SYNC_MESSAGE = "operation not permitted when stream is capturing"
+
+
+class CaptureError(RuntimeError):
+    """fn cannot be captured (a host sync, a CUDA capture error); the runtime then runs it eagerly."""
+
+
+class CapturedGraph:
+    """A captured fn. replay() re-runs it on `static_inputs` and returns `static_outputs` (same objects)."""
+
+    def __init__(self, static_inputs: Sequence[Any], static_outputs: Sequence[Any], pool_bytes: int = 0):
+        self.static_inputs = list(static_inputs)
+        self.static_outputs = list(static_outputs)
+        self.pool_bytes = pool_bytes  # device memory reserved while capturing (CUDA only)
+
+    def replay(self) -> List[Any]:
+        raise NotImplementedError
+
+
+class Driver:
+    """Captures callables. `captures` is False for the eager driver (the runtime then skips all buffer work)."""
+
+    name = "driver"
+    captures = True
+
+    def new_pool(self) -> Any:
+        """A memory-pool token for capture(); graphs captured with the same token share memory."""
+        return None
+
+    def capture(self, fn: Fn, static_inputs: Sequence[Any], pool: Any = None, *,
+                warmup: bool = True) -> CapturedGraph:
+        """`warmup=False` skips the driver's own pre-capture run, for callers that warmed up themselves and
+        whose fn has side effects that must not happen twice (a whole training step)."""
+        raise NotImplementedError
+
+
+# --- host-sync detection -------------------------------------------------------------------------------------
+
+_state = threading.local()
+
+
+def is_capturing() -> bool:
+    """True while a driver is capturing on this thread: the emulate flag, or a CUDA stream capture.
+
+    The emulate analogue of torch.cuda.is_current_stream_capturing(), so code (and tests) can refuse work
+    that a real capture would reject.
+    """
+    if getattr(_state, "emulating", False):
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+@contextlib.contextmanager
+def _emulating():
+    previous = getattr(_state, "emulating", False)
+    _state.emulating = True
+    try:
+        yield
+    finally:
+        _state.emulating = previous
+
+
+_INDEX_PUT = (torch.ops.aten.index_put, torch.ops.aten.index_put_, torch.ops.aten._index_put_impl_)
+
+
+def _has_mask(indices: Any) -> bool:
+    return isinstance(indices, (list, tuple)) and any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
+
+
+def _host_sync_reason(func: Any, args: Sequence[Any], kwargs: dict, on_cuda: bool) -> Optional[str]:
+    """Why running `func` would make the host wait for the device, or None. Cheap checks on op tags."""
+    tags = getattr(func, "tags", ())
+    name = str(func)
+    if torch.Tag.data_dependent_output in tags:
+        return f"{name} reads a device value on the host"
+    if torch.Tag.dynamic_output_shape in tags:
+        packet = getattr(func, "overloadpacket", None)
+        if packet is torch.ops.aten.index:  # only boolean-mask indexing has a data-dependent shape
+            if not _has_mask(args[1] if len(args) > 1 else kwargs.get("indices", ())):
+                return None
+        elif packet is torch.ops.aten.repeat_interleave:
+            if kwargs.get("output_size") is not None:
+                return None
+        elif packet is torch.ops.aten.one_hot:
+            num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+            if num_classes != -1:
+                return None
+        return f"{name} has a data-dependent output shape (its size is read on the host)"
+    if getattr(func, "overloadpacket", None) in _INDEX_PUT and _has_mask(args[1] if len(args) > 1 else ()):
+        return f"{name} with a boolean mask finds the masked positions on the host"
+    if on_cuda and func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+        src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+        dst_cpu = (args[0].device.type == "cpu" if func is torch.ops.aten.copy_.default
+                   else torch.device(kwargs.get("device") or src.device).type == "cpu")
+        if isinstance(src, torch.Tensor) and src.device.type == "cuda" and dst_cpu:
+            return f"{name} copies a CUDA tensor to the CPU"
+    return None
+
+
+class _HostSyncGuard(_compat.TorchDispatchMode):
+    """Raises CaptureError at the first op that would sync with the host, before it runs.
+
+    Used while emulating capture (so CPU runs fail where CUDA capture would) and on the CUDA driver's warmup
+    run (so most sync ops fail before cudaStreamBeginCapture, which torch cannot always unwind cleanly).
+    Custom ops that sync *inside* their kernel are invisible here; on CUDA the capture itself catches those.
+    """
+
+    def __init__(self, on_cuda: bool = False):
+        super().__init__()
+        self.on_cuda = on_cuda
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        reason = _host_sync_reason(func, args, kwargs, self.on_cuda)
+        if reason is not None:
+            raise CaptureError(f"{reason}: {_SYNC_MESSAGE}")
+        return func(*args, **kwargs)
+
+
+# --- eager ---------------------------------------------------------------------------------------------------
+
+
+class _EagerGraph(CapturedGraph):
+    def __init__(self, fn: Fn, static_inputs: Sequence[Any]):
+        super().__init__(static_inputs, [])
+        self.fn = fn
+
+    def replay(self) -> List[Any]:
+        with torch.no_grad():
+            self.static_outputs = list(self.fn(list(self.static_inputs)))
+        return self.static_outputs
+
+
+class EagerDriver(Driver):
+    """No capture: `replay()` calls fn each time (fresh outputs). Used where capture is off or impossible."""
+
+    name = "eager"
+    captures = False
+
+    def capture(self, fn: Fn, static_inputs: Sequence[Any], pool: Any = None, *,
+                warmup: bool = True) -> CapturedGraph:
+        return _EagerGraph(fn, static_inputs)
+
+
+# --- emulate -------------------------------------------------------------------------------------------------
+
+
+def _poison(outputs: Sequence[Any], inputs: Sequence[Any]) -> None:
+    """Fill outputs with garbage, as after a real capture (which records kernels but runs none).
+
+    Outputs sharing memory with an input are left alone: writing them would corrupt that input.
+    """
+    input_storages = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+    with torch.no_grad():
+        for out in outputs:
+            if not isinstance(out, torch.Tensor) or out.untyped_storage().data_ptr() in input_storages:
+                continue
+            if out.is_floating_point() or out.is_complex():
+                out.fill_(float("nan"))
+            elif out.dtype == torch.bool:
+                out.fill_(True)
+            else:
+                try:
+                    out.fill_(torch.iinfo(out.dtype).max)
+                except (TypeError, RuntimeError):  # exotic dtypes: leave as computed
+                    pass
+
+
+class _EmulatedGraph(CapturedGraph):
+    def __init__(self, fn: Fn, static_inputs: Sequence[Any], static_outputs: Sequence[Any]):
+        super().__init__(static_inputs, static_outputs)
+        self.fn = fn
+
+    def replay(self) -> List[Any]:
+        with torch.no_grad():
+            fresh = self.fn(list(self.static_inputs))
+            for static, new in zip(self.static_outputs, fresh):
+                if not isinstance(static, torch.Tensor) or new is static:
+                    continue
+                if (new.data_ptr() == static.data_ptr() and new.shape == static.shape
+                        and new.stride() == static.stride()):
+                    continue  # the output aliases an input buffer: already in place, as on a GPU
+                static.copy_(new)
+        return self.static_outputs
+
+
+class EmulateDriver(Driver):
+    """CPU emulation of CUDA-graph capture/replay with the same buffer contract.
+
+    capture(): runs fn once on the static inputs (flagging `is_capturing()` and raising CaptureError on host
+    syncs, like CUDA's "operation not permitted when stream is capturing"), keeps its output tensors as the
+    static outputs and fills them with garbage (a real capture runs nothing). replay(): re-runs fn on the
+    *static input buffers* and copies the results into the *same* output tensors. So a runtime that forgets
+    to copy an input, reads inputs from the wrong place, or hands out a static output that a later replay
+    overwrites fails on CPU exactly as it would on a GPU.
+
+    Limits: it cannot tell whether fn reads tensors other than its static inputs (a real graph would keep
+    reading the captured addresses; emulate reads whatever fn closes over now); Python side effects in fn
+    happen on every replay (a real graph runs them only at capture); memory pools are not emulated, so
+    pool-sharing mistakes do not show; host syncs hidden inside a custom op's kernel are not detected.
+    RNG works as on CUDA with registered generators: each replay draws fresh numbers.
+    """
+
+    name = "emulate"
+
+    def new_pool(self) -> Any:
+        return object()
+
+    def capture(self, fn: Fn, static_inputs: Sequence[Any], pool: Any = None, *,
+                warmup: bool = True) -> CapturedGraph:
+        undo = _WriteUndo()
+        try:
+            with _emulating(), _HostSyncGuard(), undo, torch.no_grad():
+                outputs = list(fn(list(static_inputs)))
+        finally:
+            undo.restore()
+        _poison(outputs, static_inputs)
+        return _EmulatedGraph(fn, static_inputs, outputs)
+
+
+class _WriteUndo(_compat.TorchDispatchMode):
+    """Remembers every storage fn writes in place, as it was before the first write, so the emulated capture
+    can be undone: a real capture records kernels and runs none, so parameters, optimizer state and inputs
+    must come out of it unchanged (a captured optimizer step must not also have stepped once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.saved: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = func._schema
+        if schema.is_mutable:
+            values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
+            for value, arg in zip(values, schema.arguments):
+                if isinstance(value, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write:
+                    storage = value.untyped_storage()
+                    if storage.data_ptr() not in self.saved and storage.nbytes():
+                        self.saved[storage.data_ptr()] = (storage, storage.clone())
+        return func(*args, **kwargs)
+
+    def restore(self) -> None:
+        for storage, before in self.saved.values():
+            storage.copy_(before)
+        self.saved.clear()
+
+
+# --- cuda ----------------------------------------------------------------------------------------------------
+
+
+class _CudaGraph(CapturedGraph):
+    def __init__(self, graph: Any, static_inputs: Sequence[Any], static_outputs: Sequence[Any],
+                 pool_bytes: int):
+        super().__init__(static_inputs, static_outputs, pool_bytes)
+        self.graph = graph
+
+    def replay(self) -> List[Any]:
+        self.graph.replay()  # on the current stream, after the runtime's input copies
+        return self.static_outputs
+
+
+class CudaDriver(Driver):
+    """torch.cuda.CUDAGraph capture on a side stream, `capture_error_mode="thread_local"`.
+
+    Before capture, fn runs once on the side stream (torch's documented warmup: lazy cuBLAS/cuDNN init must not
+    happen inside a capture) under the host-sync guard. Pools come from torch.cuda.graph_pool_handle(); the
+    runtime decides which graphs share one. RNG: torch registers the default CUDA generator with a capture by
+    itself (2.11/2.13: a generator used during capture creates its per-capture state lazily, see
+    CUDAGeneratorImpl::philox_cuda_state and CUDAGraph::capture_end), so each replay draws fresh numbers; we
+    register nothing explicitly (registering an unused generator is not safe on every version).
+    """
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+        self._stream: Optional[torch.cuda.Stream] = None
+
+    def new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def _side_stream(self) -> "torch.cuda.Stream":
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+    def capture(self, fn: Fn, static_inputs: Sequence[Any], pool: Any = None, *,
+                warmup: bool = True) -> CapturedGraph:
+        if pool is None:
+            pool = self.new_pool()  # explicit even when private, so a failed capture can release it
+        stream = self._side_stream()
+        with torch.cuda.device(self.device), torch.no_grad():
+            stream.wait_stream(torch.cuda.current_stream())
+            if warmup:
+                with torch.cuda.stream(stream), _HostSyncGuard(on_cuda=True):
+                    fn(list(static_inputs))  # result dropped at once: its memory is free for the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # torch.cuda.graph does this too; before measuring, so the delta is the pool's
+            reserved = torch.cuda.memory_reserved(self.device)
+            graph = torch.cuda.CUDAGraph()
+            failure: List[BaseException] = []
+            try:
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                    try:
+                        outputs = list(fn(list(static_inputs)))
+                    except BaseException as exc:
+                        failure.append(exc)
+                        raise
+            except Exception as exc:
+                _compat.cuda_end_allocate_to_pool(self.device, pool)
+                cause = failure[0] if failure else exc
+                raise CaptureError(f"CUDA graph capture failed: {cause}") from cause
+            pool_bytes = max(0, torch.cuda.memory_reserved(self.device) - reserved)
+        return _CudaGraph(graph, static_inputs, outputs, pool_bytes)
+
+
+def get_driver(name: str, device: Any) -> Driver:
+    """The driver for option `driver` (auto | cuda | emulate | eager) on `device`.
+
+    auto = cuda when the device is a CUDA device, else eager.
+    """
+    name = str(name)
+    device = torch.device(device)
+    if name == "auto":
+        name = "cuda" if device.type == "cuda" else "eager"
+    if name == "cuda":
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise ValueError(f"driver='cuda' needs a CUDA device, got {device}; use driver='emulate' on CPU")
+        return CudaDriver(device)
+    if name == "emulate":
+        return EmulateDriver()
+    if name == "eager":
+        return EagerDriver()
+    raise ValueError(f"unknown driver {name!r}: expected auto, cuda, emulate or eager")

@@ -1,0 +1,124 @@
+"""cuda_graph_impl="transformer_engine": the captured partitions of a frame are graphed together by Transformer
+Engine's `make_graphed_callables` (forwards in order, backwards in reverse, one memory pool).
+
+The frame first runs `cuda_graph_warmup_steps` eager calls (at least one, to record real sample arguments for
+every partition), then hands all captured partitions to the graphing function at once. The graphing function is
+injectable (`options["te"]["graphing_fn"]`), so the glue is tested with torch.cuda.make_graphed_callables, which
+has the same contract, on a GPU, and with `emulated_make_graphed_callables` on the CPU. Every other key of
+`options["te"]` is passed to it unchanged (fp8_enabled, fp8_recipe, fp8_group, num_warmup_iters, ...).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+
+from .. import stats
+from ..errors import ConfigError
+from ..partition import replace_submodule
+
+log = logging.getLogger("cgcompile")
+
+__all__ = ["TEFrame", "emulated_make_graphed_callables", "resolve_graphing_fn"]
+
+GRAPHING_FN_KEY = "graphing_fn"
+
+
+def _load_te_graphing_fn() -> Callable[..., Any]:
+    try:
+        from transformer_engine.pytorch import make_graphed_callables
+    except Exception as exc:  # ImportError, or TE's own load errors without CUDA
+        raise ConfigError(
+            f"cuda_graph_impl='transformer_engine' needs Transformer Engine's PyTorch package, which could not be "
+            f"imported ({type(exc).__name__}: {exc}). Install it on a CUDA machine with "
+            f"pip install \"cgcompile[te]\", or use cuda_graph_impl='local' (cgcompile's own runtime).") from None
+    return make_graphed_callables
+
+
+def resolve_graphing_fn(te_options: Dict[str, Any]) -> Tuple[Callable[..., Any], Dict[str, Any]]:
+    """(graphing function, the options to pass it): the injected one, else TE's, else one clear ConfigError."""
+    options = dict(te_options)
+    fn = options.pop(GRAPHING_FN_KEY, None)
+    return (fn if fn is not None else _load_te_graphing_fn()), options
+
+
+def _sample(arg: Any) -> Any:
+    """A sample argument for graphing: parameters stay themselves (their grads must land on them); other
+    tensors are copied so later steps cannot change them before the graphing call."""
+    if isinstance(arg, torch.nn.Parameter) or not isinstance(arg, torch.Tensor):
+        return arg
+    return arg.detach().clone().requires_grad_(arg.requires_grad)
+
+
+class _Recorder(torch.nn.Module):
+    """Runs a partition eagerly and keeps the arguments of its latest call as graphing samples."""
+
+    def __init__(self, submod: fx.GraphModule):
+        super().__init__()
+        self.submod = submod
+        self.sample: Tuple[Any, ...] = ()
+
+    def forward(self, *args: Any) -> Any:
+        self.sample = tuple(_sample(a) for a in args)
+        return self.submod(*args)
+
+
+class TEFrame:
+    """A split frame whose captured partitions are graphed together after the warmup calls."""
+
+    def __init__(self, split_gm: fx.GraphModule, captured: Sequence[str], graphing_fn: Callable[..., Any],
+                 te_options: Dict[str, Any], warmup_steps: int):
+        self.split_gm = split_gm
+        self.names = list(captured)
+        self.graphing_fn = graphing_fn
+        self.te_options = te_options
+        self.warmup_steps = max(1, warmup_steps)
+        self.calls = 0
+        self.graphed = False
+        for name in self.names:
+            replace_submodule(split_gm, name, _Recorder(getattr(split_gm, name)))
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.graphed and self.calls >= self.warmup_steps and torch.is_grad_enabled():
+            self._graph()
+        self.calls += 1
+        return self.split_gm(*args)
+
+    def _graph(self) -> None:
+        self.graphed = True
+        recorders: List[_Recorder] = [getattr(self.split_gm, name) for name in self.names]
+        callables = tuple(r.submod for r in recorders)
+        samples = tuple(r.sample for r in recorders)
+        try:
+            graphed = self.graphing_fn(callables, samples, **self.te_options)
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            for name, rec in zip(self.names, recorders):
+                replace_submodule(self.split_gm, name, rec.submod)
+                stats.record("eager_fallbacks", name, f"transformer_engine graphing failed: {reason}", once=True)
+            log.warning("cgcompile: transformer_engine graphing of %d partitions failed, running them eagerly: %s",
+                        len(callables), reason)
+            return
+        graphed = graphed if isinstance(graphed, (tuple, list)) else (graphed,)
+        for name, fn in zip(self.names, graphed):
+            replace_submodule(self.split_gm, name, fn)
+        stats.add("graphs_captured", 2 * len(callables))
+        log.info("cgcompile: transformer_engine graphed %d partitions", len(callables))
+
+
+def emulated_make_graphed_callables(callables: Sequence[Any], sample_args: Sequence[Tuple[Any, ...]], *,
+                                    num_warmup_iters: int = 3, **unused: Any) -> Tuple[Any, ...]:
+    """make_graphed_callables' contract on the CPU, through the emulate driver: each callable gets forward and
+    backward graphs with static buffers; parameters among the sample args are static. For tests of the glue."""
+    from ..config import CudaGraphConfig
+    from .local import ModelRuntime, compile_partition
+
+    config = CudaGraphConfig.from_options({"driver": "emulate", "cuda_graph_warmup_steps": max(1, num_warmup_iters)})
+    runtime = ModelRuntime(config, torch.device("cpu"))
+    return tuple(
+        compile_partition(fn, list(sample), name=f"te_callable_{i}", runtime=runtime,
+                          static_input_indices=[j for j, a in enumerate(sample) if isinstance(a, torch.nn.Parameter)])
+        for i, (fn, sample) in enumerate(zip(callables, sample_args)))

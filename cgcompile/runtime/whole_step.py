@@ -1,0 +1,166 @@
+"""Whole-step capture: `capture_step` (forward, backward and optimizer step as one graph), and the check that
+decides whether a frame can be one graph at all (`full_iteration` in the backend uses the plan for that).
+
+The recipe is torch's whole-network capture: a few eager warmup steps (optimizer state must exist before
+capture, and lazy library init must not happen inside one), then one capture on static input buffers; each
+later call copies the batch into those buffers, replays, and returns copies of the static outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .. import _compat, stats
+from ..errors import ConfigError
+from .driver import Driver, _host_sync_reason, get_driver
+
+log = logging.getLogger("cgcompile")
+
+__all__ = ["CapturedStep", "capture_step"]
+
+_DRIVERS = ("auto", "cuda", "emulate", "eager")
+
+
+def _user_location() -> str:
+    """The innermost stack frame outside torch and cgcompile: where the user's step did the thing."""
+    for frame in reversed(traceback.extract_stack()):
+        path = frame.filename.replace("\\", "/")
+        if "/torch/" not in path and "/cgcompile/" not in path and "<frozen" not in path:
+            return f"{frame.filename}:{frame.lineno}"
+    return "?"
+
+
+class _StepChecker(_compat.TorchDispatchMode):
+    """Runs one eager step and records every op that a capture would reject, with the user's file:line."""
+
+    def __init__(self, on_cuda: bool):
+        super().__init__()
+        self.on_cuda = on_cuda
+        self.problems: Dict[Tuple[str, str], None] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        reason = _host_sync_reason(func, args, kwargs, self.on_cuda)
+        if reason is not None:
+            self.problems.setdefault((_user_location(), reason))
+        return func(*args, **kwargs)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, *_args: Any, **_kwargs: Any) -> None:
+    """Optimizers that keep their step count on the host cannot be replayed: they need capturable=True."""
+    for index, group in enumerate(optimizer.param_groups):
+        if "capturable" in group and not group["capturable"]:
+            raise ConfigError(
+                f"capture_step: {type(optimizer).__name__} param group {index} has capturable=False; a captured "
+                f"step cannot update its host-side step count. Construct it with capturable=True, e.g. "
+                f"torch.optim.{type(optimizer).__name__}(params, ..., capturable=True)")
+
+
+def _step_key(args: Sequence[Any]) -> tuple:
+    return (torch.is_grad_enabled(),) + tuple(
+        (tuple(a.shape), a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor) else ("const", a)
+        for a in args)
+
+
+class _Captured:
+    """One captured variant of the step (per input signature and grad mode)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.graph = None
+        self.static_inputs: List[torch.Tensor] = []
+        self.out_spec = None
+
+
+class CapturedStep:
+    """A training (or validation) step captured as one graph. Call it like the step function."""
+
+    def __init__(self, step_fn: Callable[..., Any], *, warmup_steps: int = 3, driver: str = "auto"):
+        if driver not in _DRIVERS:
+            raise ConfigError(f"capture_step: driver={driver!r} is not valid; choose one of {', '.join(_DRIVERS)}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ConfigError(f"capture_step: warmup_steps={warmup_steps!r} must be an int >= 1: optimizer state "
+                              f"and lazy library init must exist before the step is captured")
+        self.step_fn = step_fn
+        self.warmup_steps = warmup_steps
+        self.driver_name = driver
+        self._variants: Dict[tuple, _Captured] = {}
+        self._driver: Optional[Driver] = None
+        self._pool: Any = None
+
+    def _driver_for(self, args: Sequence[Any]) -> Driver:
+        if self._driver is None:
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+            self._driver = get_driver(self.driver_name, device)
+            self._pool = self._driver.new_pool()
+        return self._driver
+
+    def __call__(self, *args: Any) -> Any:
+        driver = self._driver_for(args)
+        variant = self._variants.setdefault(_step_key(args), _Captured())
+        variant.calls += 1
+        if variant.calls == 1:
+            return self._checked_eager_step(args, driver)
+        if variant.calls <= self.warmup_steps or not driver.captures:
+            return self.step_fn(*args)
+        if variant.graph is None:
+            self._capture(variant, args, driver)
+        with torch.no_grad():
+            for static, new in zip(variant.static_inputs, args):
+                if isinstance(static, torch.Tensor) and static is not new:
+                    static.copy_(new)
+        outputs = variant.graph.replay()
+        stats.add("replays")
+        copies = [o.clone() if isinstance(o, torch.Tensor) else o for o in outputs]
+        return _compat.tree_unflatten(copies, variant.out_spec)
+
+    def _checked_eager_step(self, args: Sequence[Any], driver: Driver) -> Any:
+        """The first call runs eagerly under checks, so a step that cannot be captured fails here, clearly."""
+        on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+        handle = register_optimizer_step_pre_hook(_check_optimizer)
+        try:
+            with _StepChecker(on_cuda) as checker:
+                out = self.step_fn(*args)
+        finally:
+            handle.remove()
+        if checker.problems and driver.captures:
+            lines = "\n".join(f"  {where}: {reason}" for where, reason in checker.problems)
+            raise ConfigError(f"capture_step: the step cannot be captured as one graph; it syncs with the host:\n"
+                              f"{lines}\nMove these out of the step (log the loss after it returns) or use "
+                              f"torch.compile(..., backend='cudagraph_modules') to capture around them.")
+        return out
+
+    def _capture(self, variant: _Captured, args: Sequence[Any], driver: Driver) -> None:
+        variant.static_inputs = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
+        grad = torch.is_grad_enabled()
+
+        def run(static_inputs: list) -> list:
+            with torch.set_grad_enabled(grad):
+                flat, variant.out_spec = _compat.tree_flatten(self.step_fn(*static_inputs))
+            return flat
+
+        start = time.perf_counter()
+        variant.graph = driver.capture(run, variant.static_inputs, self._pool, warmup=False)
+        elapsed = time.perf_counter() - start
+        stats.add("graphs_captured")
+        stats.add("capture_seconds", elapsed)
+        stats.add("pool_bytes", variant.graph.pool_bytes)
+        log.info("capture_step: captured the %s step in %.2f s", "training" if grad else "forward-only", elapsed)
+
+
+def capture_step(step_fn: Callable[..., Any], *, warmup_steps: int = 3, driver: str = "auto") -> CapturedStep:
+    """Capture a whole training step (forward, `loss.backward()`, `optimizer.step()`) as one graph.
+
+    The tensors passed in are copied into static buffers on every call; the returned tensors are copies of the
+    static outputs. Optimizers must be built with `capturable=True` where they have that option, and the step
+    must not sync with the host (`.item()`, `.cpu()`, data-dependent shapes): both are checked on the first
+    call, which runs eagerly, and reported in one ConfigError. The first `warmup_steps` calls run eagerly.
+    Calls under `torch.no_grad()` (validation) get their own forward-only graph.
+    """
+    return CapturedStep(step_fn, warmup_steps=warmup_steps, driver=driver)

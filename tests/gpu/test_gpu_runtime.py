@@ -1,0 +1,198 @@
+"""The runtime's trap suite with real CUDA graphs (driver "cuda"); skipped without a CUDA device.
+
+Reuses the test-only Dynamo backend and models of tests/test_runtime_traps.py, on the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cgcompile.stats import reset_stats, stats
+from cgcompile.runtime.driver import CaptureError, CudaDriver
+from tests.test_runtime_traps import Net, Syncing, Tied, batch, compiled, grads, static_ptrs
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+DEV = "cuda"
+
+
+def twins(cls=Net, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    a = cls(**kwargs).to(DEV)
+    b = cls(**kwargs).to(DEV)
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def gbatch(seed, shape=(2, 5, 4)):
+    return tuple(t.to(DEV) for t in batch(seed, shape))
+
+
+def cuda_compiled(model, **options):
+    return compiled(model, driver="cuda", **options)
+
+
+def close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # cuBLAS may pick other kernels for other strides
+
+
+@pytest.fixture(autouse=True)
+def _clean_stats():
+    reset_stats()
+    yield
+
+
+def test_driver_replays_into_the_same_outputs_and_reads_static_inputs():
+    driver = CudaDriver(torch.device(DEV))
+    x, w = torch.randn(8, 8, device=DEV), torch.randn(8, 8, device=DEV)
+    graph = driver.capture(lambda a: [torch.relu(a[0] @ a[1])], [x, w], driver.new_pool())
+    out = graph.replay()
+    assert out[0] is graph.replay()[0]
+    x.copy_(torch.ones(8, 8, device=DEV))
+    close(graph.replay()[0], torch.relu(torch.ones(8, 8, device=DEV) @ w))
+
+
+def test_driver_rejects_host_sync_before_capturing():
+    driver = CudaDriver(torch.device(DEV))
+    with pytest.raises(CaptureError, match="not permitted"):
+        driver.capture(lambda a: [a[0] * a[0].sum().item()], [torch.randn(4, device=DEV)])
+    assert not torch.cuda.is_current_stream_capturing()
+    torch.randn(4, device=DEV).sum().item()  # the device is still usable
+
+
+def test_training_steps_match_eager_and_replay():
+    ref, model = twins()
+    runtimes = []
+    cmodel = compiled(model, driver="cuda", runtimes=runtimes)
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(6):
+        x, y = gbatch(step)
+        losses = []
+        for o, fn in ((opt_ref, ref), (opt, cmodel)):
+            o.zero_grad()
+            loss = F.mse_loss(fn(x), y)
+            loss.backward()
+            o.step()
+            losses.append(loss.detach())
+        close(losses[1], losses[0])
+        if step == 1:
+            captured = stats()["graphs_captured"]
+    s = stats()
+    assert s["graphs_captured"] == captured == 8 and s["replays"] > 8 and s["pool_bytes"] > 0
+    assert s["eager_fallbacks"] == [] and s["recaptures"] == []
+    owned = static_ptrs(runtimes)
+    assert all(p.grad.untyped_storage().data_ptr() not in owned for p in model.parameters())
+
+
+def test_gradient_accumulation_fwd_fwd_bwd_bwd():
+    ref, model = twins()
+    cmodel = cuda_compiled(model)
+    for step in range(4):
+        for fn, m in ((ref, ref), (cmodel, model)):
+            m.zero_grad()
+            (x1, y1), (x2, y2) = gbatch(2 * step), gbatch(2 * step + 1)
+            loss1 = F.mse_loss(fn(x1), y1)
+            loss2 = F.mse_loss(fn(x2), y2)
+            loss1.backward()
+            loss2.backward()
+        for a, b in zip(grads(model), grads(ref)):
+            close(a, b)
+    s = stats()
+    assert s["replays"] > 0 and s["eager_fallbacks"] == []
+
+
+def test_outputs_kept_across_steps():
+    for clone in (True, False):
+        ref, model = twins()
+        cmodel = cuda_compiled(model, clone_outputs=clone)
+        kept = [(cmodel(x), ref(x)) for x in (gbatch(s)[0] for s in range(5))]
+        for out, expected in kept:
+            close(out, expected)
+        assert stats()["replays"] > 0
+
+
+def test_dropout_fresh_masks_per_replay_and_consistent_grads():
+    class Drop(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(1024))
+            self.drop = torch.nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(x * self.scale)
+
+    model = Drop().to(DEV)
+    cmodel = compiled(model, depth=1, driver="cuda")
+    x = torch.randn(4, 1024, device=DEV)
+    masks = []
+    for step in range(5):
+        model.zero_grad()
+        out = cmodel(x)
+        out.sum().backward()
+        mask = out != 0
+        masks.append(mask)
+        close(model.scale.grad, (x * mask * 2).sum(0))
+        assert 0.4 < mask.float().mean().item() < 0.6
+        if step == 1:
+            captured = stats()["graphs_captured"]
+    assert all(not torch.equal(masks[i], masks[i + 1]) for i in range(1, 4))  # the generator advances per replay
+    assert stats()["graphs_captured"] == captured
+
+
+def test_train_eval_and_no_grad():
+    ref, model = twins(p=0.2)
+    cmodel = cuda_compiled(model)
+    for step in range(3):
+        model.train(), ref.train()
+        x, y = gbatch(step)
+        F.mse_loss(cmodel(x), y).backward()
+        model.eval(), ref.eval()
+        with torch.no_grad():
+            close(cmodel(x), ref(x))
+        close(cmodel(x), ref(x))
+    assert stats()["replays"] > 0
+
+
+def test_weight_tying_and_param_address_change():
+    ref, model = twins(Tied)
+    cmodel = compiled(model, depth=1, driver="cuda")
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        x = gbatch(step, (3, 4))[0]
+        for o, fn in ((opt_ref, ref), (opt, cmodel)):
+            o.zero_grad()
+            fn(x).pow(2).sum().backward()
+            o.step()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            close(a, b)
+    model.mid.weight.data = model.mid.weight.data.clone()
+    x = gbatch(9, (3, 4))[0]
+    close(cmodel(x), ref(x))
+    assert len(stats()["recaptures"]) >= 1
+
+
+def test_unclassified_sync_op_falls_back(caplog):
+    """cgtest::host_sync calls .item() inside its kernel: invisible to every check, fatal to a real capture."""
+    ref, model = twins(Syncing)
+    cmodel = compiled(model, depth=1, driver="cuda")
+    with caplog.at_level(logging.WARNING, logger="cgcompile"):
+        for step in range(4):
+            x = gbatch(step, (3, 4))[0]
+            model.zero_grad(), ref.zero_grad()
+            out, expected = cmodel(x), ref(x)
+            close(out, expected)
+            out.sum().backward()
+            expected.sum().backward()
+            for a, b in zip(grads(model), grads(ref)):
+                close(a, b)
+    s = stats()
+    assert [f["partition"] for f in s["eager_fallbacks"]] == ["submod_0"]
+    assert s["graphs_captured"] > 0 and s["replays"] > 0  # the other partition is captured and replayed
+    assert sum("runs eagerly" in r.getMessage() for r in caplog.records) == 1

@@ -1,0 +1,54 @@
+"""cuda_graph_impl="full_iteration": the whole frame as one graph, or one error listing everything in the way."""
+
+import copy
+
+import pytest
+import torch
+
+import cgcompile
+from cgcompile.stats import reset_stats, stats
+from tests.models import MODELS, moe
+
+
+def test_dense_model_is_one_graph_and_trains_like_eager():
+    spec = MODELS["dense_gpt"]
+    model = spec.make()
+    reference = copy.deepcopy(model)
+    options = {"cuda_graph_impl": "full_iteration", "driver": "emulate"}
+    compiled = torch.compile(model, backend="cudagraph_modules", options=options)
+    (tokens,) = spec.example_inputs()
+    plan = cgcompile.explain(model, tokens, options=options)
+    assert [p.kind for g in plan.graphs for p in g.partitions] == ["capture"]
+    reset_stats()
+    for _ in range(5):
+        loss, ref = spec.loss(compiled, tokens), spec.loss(reference, tokens)
+        loss.backward()
+        ref.backward()
+        torch.testing.assert_close(loss, ref, rtol=0, atol=0)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+        model.zero_grad(), reference.zero_grad()
+    assert stats()["graphs_captured"] == 2  # one forward graph, one backward graph
+    assert stats()["replays"] == 2 * (5 - 3)  # after 3 warmup steps
+
+
+def test_moe_with_in_graph_dispatch_lists_the_blocking_line_with_hint():
+    spec = MODELS["moe_mask"]
+    compiled = torch.compile(spec.make(), backend="cudagraph_modules", options={"cuda_graph_impl": "full_iteration"})
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True), pytest.raises(Exception) as info:
+        compiled(*spec.example_inputs())
+    text = str(info.value)
+    (line,) = moe.dispatch_lines("mask")
+    assert "cuda_graph_impl='full_iteration' needs the whole step in one graph" in text
+    assert f"{moe.SOURCE_FILE}:{line}: dynamic_shape torch.nonzero in layers.0.moe -- use a static-shape form" in text
+    assert "op(s) whose shapes depend on their results" in text
+
+
+def test_moe_with_graph_break_names_the_break_line():
+    spec = MODELS["moe_sort"]
+    compiled = torch.compile(spec.make(), backend="cudagraph_modules", options={"cuda_graph_impl": "full_iteration"})
+    with pytest.raises(Exception) as info:
+        compiled(*spec.example_inputs())
+    text = str(info.value)
+    assert "Dynamo broke the graph at" in text
+    assert any(f"{moe.SOURCE_FILE}:{line};" in text for line in moe.dispatch_lines("sort")), text

@@ -1,0 +1,354 @@
+"""The local runtime's public API (ModelRuntime, compile_partition) on single partitions, CPU + emulate."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from cgcompile.stats import reset_stats, stats
+from cgcompile.config import CudaGraphConfig
+from cgcompile.runtime import ModelRuntime, compile_partition
+
+
+def runtime(**options) -> ModelRuntime:
+    opts = {"driver": "emulate", "cuda_graph_warmup_steps": 1}
+    opts.update(options)
+    return ModelRuntime(CudaGraphConfig.from_options(opts), "cpu")
+
+
+def partition(fn_or_module, rt, name="p", static=(), examples=()):
+    gm = fx.symbolic_trace(fn_or_module)
+    return compile_partition(gm, list(examples), name=name, static_input_indices=list(static), runtime=rt,
+                             location="test_runtime_local.py")
+
+
+class MLP(nn.Module):
+    def __init__(self, d=6):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def twins(cls=MLP, seed=0):
+    torch.manual_seed(seed)
+    a, b = cls(), cls()
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def assert_close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class CountCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the runtime's copy-ins: aten.copy_ into a static input buffer of the given partitions' graphs
+    (emulate's own writes go to static outputs and are not counted)."""
+
+    def __init__(self, *partitions):
+        super().__init__()
+        self.targets = {id(t) for p in partitions for v in p.bank.values()
+                        for f in (v.forward, v.inference) if f is not None
+                        for g in f.graphs for t in g.captured.static_inputs}
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default and id(args[0]) in self.targets:
+            self.copies += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(autouse=True)
+def _clean_stats():
+    reset_stats()
+    yield
+
+
+def test_calling_convention_single_tuple_and_list():
+    rt = runtime()
+    single = partition(lambda x: x * 2, rt, "single")
+    pair = partition(lambda x: (x + 1, x * 3), rt, "pair")
+    listed = partition(lambda x: [x - 1], rt, "listed")
+    x = torch.randn(3)
+    for _ in range(3):
+        assert torch.equal(single(x), x * 2)
+        a, b = pair(x)
+        assert isinstance(pair(x), tuple) and torch.equal(a, x + 1) and torch.equal(b, x * 3)
+        out = listed(x)
+        assert isinstance(out, list) and torch.equal(out[0], x - 1)
+    assert stats()["replays"] > 0
+
+
+def test_eager_driver_with_eager_compiler_returns_the_submodule():
+    gm = fx.symbolic_trace(MLP())
+    rt = runtime(driver="eager")
+    assert compile_partition(gm, [], name="p", static_input_indices=[], runtime=rt) is gm
+    rt = ModelRuntime(CudaGraphConfig.from_options({}), "cpu")  # auto on CPU = eager
+    assert compile_partition(gm, [], name="p", static_input_indices=[], runtime=rt) is gm
+
+
+def test_forward_backward_parity_and_held_gradient_buffers():
+    ref, model = twins()
+    rt = runtime()
+    p = partition(model, rt)
+    for step in range(4):  # no zero_grad: grads accumulate across steps
+        x = torch.randn(5, 6)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        p(x1).pow(2).sum().backward()
+        ref(x2).pow(2).sum().backward()
+        assert_close(x1.grad, x2.grad)
+        for a, b in zip(model.parameters(), ref.parameters()):
+            assert_close(a.grad, b.grad)
+            assert not rt.is_static(a.grad)  # AccumulateGrad copied, never stole a static buffer
+    s = stats()
+    assert s["graphs_captured"] == 2 and s["replays"] == 6  # fwd+bwd captured at step 1, replayed at 2, 3
+
+
+def test_parameters_are_not_copied_and_inputs_are():
+    model = MLP()
+    rt = runtime()
+    p = partition(model, rt)
+    x = torch.randn(5, 6)
+    with torch.no_grad():
+        for _ in range(3):
+            p(x)
+        with CountCopies(p) as counter:
+            p(x)
+        assert counter.copies == 1  # x only; four parameters read in place
+        variant = next(iter(p.bank.values()))
+        graph = variant.inference.graphs[0]
+        with CountCopies(p) as counter:
+            p(graph.captured.static_inputs[graph.copies[0]])  # already in the static buffer
+        assert counter.copies == 0
+
+
+def test_previous_partitions_static_output_is_borrowed_not_copied():
+    rt = runtime()
+    first = partition(lambda x: torch.relu(x) + 1, rt, "first")
+    second = partition(lambda h: h * h, rt, "second")
+    x = torch.randn(8)
+    with torch.no_grad():
+        for _ in range(3):
+            second(first(x))  # outputs dropped: a held output would keep its graph busy
+        with CountCopies(first, second) as counter:
+            out = second(first(x))
+        assert counter.copies == 1  # x into first's buffer; first's output is read in place by second
+        assert rt.is_static(out) and torch.equal(out, (torch.relu(x) + 1) ** 2)
+        assert stats()["graphs_captured"] == 2
+
+
+def test_graph_bank_keys_on_shape_dtype_and_grad_mode():
+    rt = runtime()
+    p = partition(lambda x: (x * 2).sin(), rt)
+    inputs = [torch.randn(3), torch.randn(4), torch.randn(3, dtype=torch.float64), torch.randn(3)]
+    for _ in range(3):
+        for x in inputs:
+            assert torch.equal(p(x), (x * 2).sin())
+            with torch.no_grad():
+                assert torch.equal(p(x), (x * 2).sin())
+    assert len(p.bank) == 6  # 3 signatures x {grad, no_grad}
+    assert stats()["graphs_captured"] == 6
+
+
+def test_static_input_address_change_recaptures():
+    rt = runtime()
+    w = torch.randn(4)
+    p = partition(lambda x, w: x * w, rt, static=[1])
+    x = torch.randn(4)
+    for _ in range(3):
+        assert torch.equal(p(x, w), x * w)
+    w.data = torch.randn(4)  # same parameter object, new address
+    assert torch.equal(p(x, w), x * w)  # re-captured, not stale
+    s = stats()
+    assert len(s["recaptures"]) == 1 and s["recaptures"][0]["partition"] == "p"
+    assert "moved" in s["recaptures"][0]["reason"]
+    assert torch.equal(p(x, w), x * w)
+    assert len(stats()["recaptures"]) == 1 and stats()["graphs_captured"] == 2
+
+
+def test_one_partition_serving_several_parameter_sets():
+    """Dynamo reuses one compiled frame for every layer when layers graph-break: one graph per layer."""
+    rt = runtime(max_graphs_per_partition=1)
+    layers = [torch.randn(4) for _ in range(3)]
+    p = partition(lambda x, w: (x * w).sin(), rt, static=[1])
+    x = torch.randn(4)
+    with torch.no_grad():
+        for step in range(3):
+            for w in layers:
+                assert torch.equal(p(x, w), (x * w).sin())
+    s = stats()
+    assert s["graphs_captured"] == 3 and s["recaptures"] == [] and s["eager_fallbacks"] == []
+
+
+def test_same_partition_twice_in_one_step():
+    """A reused layer: the second call must not overwrite what the first call's backward needs."""
+    ref, model = twins()
+    rt = runtime()
+    p = partition(model, rt)
+    for step in range(4):
+        model.zero_grad(), ref.zero_grad()
+        x = torch.randn(5, 6)
+        p(p(x)).sum().backward()
+        ref(ref(x)).sum().backward()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            assert_close(a.grad, b.grad)
+    s = stats()
+    assert s["graphs_captured"] == 4 and s["eager_fallbacks"] == []  # two instances, each fwd+bwd
+
+
+def test_backwards_in_reverse_order_find_their_instances():
+    ref, model = twins()
+    rt = runtime()
+    p = partition(model, rt)
+    for step in range(3):
+        model.zero_grad(), ref.zero_grad()
+        xs = [torch.randn(5, 6) for _ in range(3)]
+        losses = [p(x).pow(2).sum() for x in xs]
+        ref_losses = [ref(x).pow(2).sum() for x in xs]
+        for loss in reversed(losses):
+            loss.backward()
+        for loss in ref_losses:
+            loss.backward()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            assert_close(a.grad, b.grad)
+    assert stats()["graphs_captured"] == 6
+
+
+def test_discarded_loss_frees_the_instance():
+    model = MLP()
+    rt = runtime()
+    p = partition(model, rt)
+    for _ in range(5):
+        p(torch.randn(5, 6)).sum()  # forward only, graph dropped
+    assert stats()["graphs_captured"] == 1
+
+
+def test_bank_cap_runs_eagerly_and_logs_once(caplog):
+    rt = runtime(max_graphs_per_partition=2)
+    p = partition(lambda x: x.exp(), rt)
+    with caplog.at_level(logging.WARNING, logger="cgcompile"):
+        with torch.no_grad():
+            xs = [torch.randn(3) for _ in range(6)]
+            held = [p(x) for x in xs]  # held outputs keep every instance busy
+    for x, out in zip(xs, held):
+        assert torch.equal(out, x.exp())
+    s = stats()
+    assert s["graphs_captured"] == 2
+    assert len(s["eager_fallbacks"]) == 1 and "max_graphs_per_partition=2" in s["eager_fallbacks"][0]["reason"]
+    assert sum("max_graphs_per_partition" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_compile_failure_falls_back_with_location(caplog):
+    rt = runtime()
+    p = partition(lambda x: x * x.sum().item(), rt, "syncing")  # aot cannot trace .item() without a shape env
+    x = torch.randn(4)
+    with caplog.at_level(logging.WARNING, logger="cgcompile"):
+        for _ in range(3):
+            assert torch.equal(p(x), x * x.sum().item())
+    s = stats()
+    assert [f["partition"] for f in s["eager_fallbacks"]] == ["syncing"]
+    records = [r.getMessage() for r in caplog.records if "syncing" in r.getMessage()]
+    assert len(records) == 1 and "test_runtime_local.py" in records[0]
+
+
+def test_finish_frame_outputs_clones_only_static_memory():
+    rt = runtime()
+    p = partition(lambda x: x + 1, rt)
+    x = torch.randn(3)
+    with torch.no_grad():
+        for _ in range(3):
+            out = p(x)
+    plain = torch.randn(2)
+    assert rt.is_static(out) and not rt.is_static(plain) and not rt.is_static(None)
+    a, b, c = rt.finish_frame_outputs((out, plain, 3))
+    assert not rt.is_static(a) and torch.equal(a, out) and b is plain and c == 3
+    assert not rt.is_static(rt.finish_frame_outputs(out))
+    rt_keep = runtime(clone_outputs=False)
+    assert rt_keep.finish_frame_outputs((out,))[0] is out
+
+
+def test_capture_wave_shares_a_pool_later_captures_do_not(caplog):
+    rt = runtime()
+    first = partition(lambda x: x.sin(), rt, "first")
+    second = partition(lambda x: x.cos(), rt, "second")
+    with caplog.at_level(logging.INFO, logger="cgcompile"), torch.no_grad():
+        for _ in range(3):
+            second(first(torch.randn(4)))
+        for _ in range(2):
+            second(first(torch.randn(5)))  # a new shape after the wave: warmup call, then capture
+    graphs = [g for p in (first, second) for v in p.bank.values() for g in v.inference.graphs]
+    assert sorted(g.shared_index is not None for g in graphs) == [False, False, True, True]
+    summary = [r.getMessage() for r in caplog.records if "captured 2 graphs" in r.getMessage()]
+    assert len(summary) == 1
+
+
+def test_progress_display_for_a_long_capture_wave(monkeypatch, capsys, caplog):
+    from cgcompile.runtime import local
+    monkeypatch.setattr(local, "_PROGRESS_AFTER_S", -1.0)  # every capture counts as "long"
+    monkeypatch.setitem(__import__("sys").modules, "tqdm", None)  # the plain stderr fallback
+    rt = runtime()
+    parts = [partition(lambda x: x * 2, rt, f"p{i}") for i in range(3)]
+    with caplog.at_level(logging.INFO, logger="cgcompile"), torch.no_grad():
+        for _ in range(3):
+            for p in parts:
+                p(torch.randn(3))
+    assert "capturing CUDA graphs... 1 captured" in capsys.readouterr().err
+    assert sum("captured 3 graphs" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_shared_pool_graph_waits_while_a_later_graph_is_busy():
+    """fwd, fwd, bwd, bwd where the first partition saves nothing: replaying it while the second
+    partition's first-microbatch activations live could scribble over them in a shared pool."""
+    rt = runtime()
+    first = partition(lambda x: x * 2, rt, "first")  # saves nothing for backward
+    second = partition(lambda h: (h + 1).exp(), rt, "second")  # saves only its own output
+    for step in range(3):
+        xs = [torch.randn(4, requires_grad=True) for _ in range(2)]
+        losses = [second(first(x)).sum() for x in xs]
+        for loss, x in zip(losses, xs):
+            loss.backward()
+            assert_close(x.grad, 2 * (2 * x.detach() + 1).exp())
+    fw_first = next(iter(first.bank.values())).forward
+    assert len(fw_first.graphs) == 2  # the second microbatch could not reuse instance 0
+
+
+class Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6)
+
+    def forward(self, x, acc):
+        acc.add_(1)  # an input written in place (Inductor keeps such writes inside its graphs)
+        return torch.tanh(self.bn(self.lin(x))) + acc
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="needs a C++ compiler")
+def test_inductor_inner_compiler_with_in_graph_mutations():
+    ref, model = twins(Normed)
+    rt = runtime(inner_compiler="inductor")
+    p = partition(model, rt)
+    for step in range(3):
+        model.zero_grad(), ref.zero_grad()
+        x = torch.randn(5, 6)
+        acc, acc_ref = torch.zeros(5, 6), torch.zeros(5, 6)
+        p(x, acc).sum().backward()
+        ref(x, acc_ref).sum().backward()
+        assert torch.equal(acc, acc_ref)  # written once per call, also on the capture call
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)  # fused kernels reorder sums
+        for a, b in zip(model.buffers(), ref.buffers()):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        with torch.no_grad():
+            acc, acc_ref = torch.zeros(5, 6), torch.zeros(5, 6)
+            torch.testing.assert_close(p(x, acc), ref(x, acc_ref), rtol=1e-4, atol=1e-5)
+            assert torch.equal(acc, acc_ref)
+    s = stats()
+    assert s["replays"] > 0 and s["eager_fallbacks"] == []

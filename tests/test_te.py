@@ -1,0 +1,90 @@
+"""cuda_graph_impl="transformer_engine": the glue around make_graphed_callables, tested on CPU with the emulate
+driver's equivalent (TE itself cannot be installed here; tests/gpu runs it through torch's make_graphed_callables)."""
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+
+import cgcompile
+from cgcompile.runtime.te import emulated_make_graphed_callables
+from cgcompile.stats import reset_stats, stats
+from tests.models import MODELS
+
+
+def te_options(spec, **te):
+    return spec.options(cuda_graph_impl="transformer_engine", te=te)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="TE is installed")
+def test_missing_transformer_engine_is_one_clear_error_at_first_compile():
+    spec = MODELS["dense_gpt"]
+    compiled = torch.compile(spec.make(), backend="cudagraph_modules", options=te_options(spec))
+    with pytest.raises(Exception) as info:
+        compiled(*spec.example_inputs())
+    text = str(info.value)
+    assert "cuda_graph_impl='transformer_engine' needs Transformer Engine" in text
+    assert 'pip install "cgcompile[te]"' in text and "cuda_graph_impl='local'" in text
+
+
+@pytest.mark.parametrize("name", ["dense_gpt", "moe_mask"])
+def test_graphed_partitions_train_like_eager(name):
+    spec = MODELS[name]
+    model = spec.make()
+    reference = copy.deepcopy(model)
+    calls = []
+
+    def graphing_fn(callables, sample_args, **kwargs):
+        calls.append((len(callables), kwargs))
+        return emulated_make_graphed_callables(callables, sample_args, **kwargs)
+
+    options = te_options(spec, graphing_fn=graphing_fn, num_warmup_iters=2)
+    compiled = torch.compile(model, backend="cudagraph_modules", options=options)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference))
+    (tokens,) = spec.example_inputs()
+    reset_stats()
+    flags = {"capture_dynamic_output_shape_ops": True} if spec.dispatch == "mask" else {}
+    with torch._dynamo.config.patch(**flags):
+        for _ in range(6):
+            loss, ref = spec.loss(compiled, tokens), spec.loss(reference, tokens)
+            loss.backward()
+            ref.backward()
+            torch.testing.assert_close(loss, ref, rtol=0, atol=0)
+            for p, q in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+    assert calls == [(2, {"num_warmup_iters": 2})]  # all captured partitions of the frame at once, TE args passed
+    assert stats()["replays"] > 0
+
+
+def test_failing_graphing_falls_back_to_eager_once_with_a_logged_reason(caplog):
+    spec = MODELS["dense_gpt"]
+    model = spec.make()
+    reference = copy.deepcopy(model)
+
+    def graphing_fn(callables, sample_args, **kwargs):
+        raise RuntimeError("no hooks allowed")
+
+    compiled = torch.compile(model, backend="cudagraph_modules", options=te_options(spec, graphing_fn=graphing_fn))
+    (tokens,) = spec.example_inputs()
+    reset_stats()
+    with caplog.at_level("WARNING", logger="cgcompile"):
+        for _ in range(5):
+            torch.testing.assert_close(compiled(tokens), reference(tokens), rtol=0, atol=0)
+    warnings = [r for r in caplog.records if "transformer_engine graphing" in r.getMessage()]
+    assert len(warnings) == 1 and "no hooks allowed" in warnings[0].getMessage()
+    assert {f["reason"] for f in stats()["eager_fallbacks"]} == {
+        "transformer_engine graphing failed: RuntimeError: no hooks allowed"}
+
+
+def test_non_tensor_partition_boundaries_are_reported_at_plan_time():
+    spec = MODELS["dense_gpt"]
+    model = spec.make()
+    (tokens,) = spec.example_inputs()
+    torch._dynamo.mark_dynamic(tokens, 1)
+    plan = cgcompile.explain(model, tokens, options=te_options(spec, graphing_fn=emulated_make_graphed_callables))
+    reasons = [r for g in plan.graphs for p in g.partitions for r in p.reasons if r.category == "te_restriction"]
+    assert reasons, str(plan)
+    assert "tensors only" in reasons[0].detail and "use cuda_graph_impl='local'" in reasons[0].hint
