@@ -22,6 +22,7 @@ from .logs import register_with_torch_logs
 from .passes import is_static_placeholder, node_location
 from .runtime.local import ModelRuntime, compile_partition
 from .runtime.te import TEFrame, resolve_graphing_fn
+from .runtime.verify import VerifiedPartition
 from .partition import BLOCK_SCOPE, LAYER_SCOPE, OFF_SCOPE, GraphPlan, plan_graph, replace_submodule, split
 
 register_with_torch_logs()
@@ -138,6 +139,9 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
             submod, [n.meta.get("example_value") for n in inputs], name=f"graph {graph_plan.index} {name}",
             static_input_indices=[i for i, n in enumerate(inputs) if n.name in static_names], runtime=runtime,
             location=first or _first_location(submod))
+        if config.verify:
+            wrapped = VerifiedPartition(wrapped, submod, f"graph {graph_plan.index} {name}", config.verify,
+                                        skip=config.cuda_graph_warmup_steps)
         if wrapped is not submod:
             replace_submodule(split_gm, name, wrapped)
     forward = split_gm.forward

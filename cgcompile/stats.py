@@ -21,6 +21,7 @@ def _zero() -> Dict[str, Any]:
         "recaptures": [],        # {"partition", "reason"}: every re-capture of an existing graph
         "pool_bytes": 0,         # device memory reserved while capturing (CUDA only; 0 elsewhere)
         "capture_seconds": 0.0,  # wall time spent in warmup-compile and capture
+        "verify_max_diff": {},   # partition -> largest |captured - eager| seen (option verify)
     }
 
 
@@ -54,3 +55,10 @@ def record(name: str, partition: str, reason: str, *, once: bool = False) -> boo
             return False
         _state[name].append(entry)
         return True
+
+
+def record_max(name: str, key: str, value: float) -> None:
+    """Keep the largest value seen per key in a dict counter."""
+    with _lock:
+        table = _state[name]
+        table[key] = max(table.get(key, value), value)

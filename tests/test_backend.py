@@ -105,3 +105,19 @@ def test_explain_rejects_bad_options_before_tracing():
     with pytest.raises(cgcompile.ConfigError, match="unknown option 'cuda_graph_modlues'"):
         cgcompile.explain(fn, torch.randn(2), options={"cuda_graph_modlues": ["attn"]})
     assert calls == []
+
+
+def test_verify_reports_the_difference_per_captured_partition(caplog):
+    spec = MODELS["dense_gpt"]
+    model = spec.make()
+    (tokens,) = spec.example_inputs()
+    cgcompile.reset_stats()
+    compiled = torch.compile(model, backend="cudagraph_modules", options=spec.options(driver="emulate", verify=5))
+    with caplog.at_level("INFO", logger="cgcompile"):
+        for _ in range(3 + 7):  # 3 warmup calls, then verified replays
+            spec.loss(compiled, tokens).backward()
+    table = cgcompile.stats()["verify_max_diff"]
+    assert len(table) == 2 and all(v <= 1e-6 for v in table.values()), table  # one per layer partition
+    lines = [r.getMessage() for r in caplog.records if "cgcompile verify" in r.getMessage()]
+    assert len(lines) == 2 * 5  # verify starts after warmup and stops after 5 calls per partition
+    assert cgcompile.stats()["replays"] > 0
