@@ -10,7 +10,7 @@ from .explain import explain
 from .partition import Plan
 from .runtime.whole_step import capture_step
 from .tagging import eager_region, tag, tag_modules, tag_of, untag
-from .stats import reset_stats, stats  # last: the functions, not the module, are the public names
+from .counters import reset_stats, stats
 
 __all__ = [
     "ConfigError", "CudaGraphConfig", "Plan", "explain", "CudaGraphImpl", "CudaGraphModule", "CudaGraphScope",

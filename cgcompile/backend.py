@@ -122,6 +122,10 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
     plain FX code. A graph with nothing to capture runs unsplit (no extra host overhead)."""
     if not graph_plan.captured:
         return gm.forward
+    runtime = ModelRuntime(config, torch.device(graph_plan.device))
+    if config.cuda_graph_impl != CudaGraphImpl.TRANSFORMER_ENGINE and str(config.inner_compiler) == "eager" \
+            and not runtime.driver.captures:
+        return gm.forward  # nothing to capture or compile (e.g. driver=auto on CPU): splitting only adds calls
     static_names = {n.name for n in gm.graph.nodes if is_static_placeholder(n)}
     split_gm = split(gm, graph_plan)
     captured = [p for p in graph_plan.partitions if p.captured]
@@ -130,7 +134,6 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
         graphing_fn, te_options = resolve_graphing_fn(config.te)
         return TEFrame(split_gm, names, graphing_fn, te_options, config.cuda_graph_warmup_steps)
 
-    runtime = ModelRuntime(config, torch.device(graph_plan.device))
     for name, partition in zip(names, captured):
         submod = getattr(split_gm, name)
         inputs = [n for n in submod.graph.nodes if n.op == "placeholder"]

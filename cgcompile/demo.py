@@ -42,19 +42,16 @@ def main(argv=None) -> int:
     (tokens,) = spec.example_inputs(device=device)
     options = spec.options(driver=args.driver)
     print(f"options: {options}")
-    print(f"normalized: {cgcompile.CudaGraphConfig.from_options(options)}\n")
+    print(f"normalized: {cgcompile.CudaGraphConfig.from_options(options).to_options()}\n")
 
     # The mask dispatch uses torch.nonzero; this (user-side, explicit) Dynamo flag keeps it inside the graph
     # as an eager island instead of a graph break per expert.
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         plan = cgcompile.explain(model, tokens, options=options)
         print(plan, "\n")
-        if args.html and hasattr(plan, "to_html"):
-            try:
-                plan.to_html(args.html)
-                print(f"visual plan written to {args.html}\n")
-            except ImportError:
-                pass
+        if args.html:
+            plan.to_html(args.html)
+            print(f"visual plan written to {args.html}\n")
         compiled = torch.compile(model, backend="cudagraph_modules", options=options)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -68,8 +65,13 @@ def main(argv=None) -> int:
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
             print(f"step {step}: loss {loss.item():.6f} (eager {ref_loss.item():.6f})")
-    if hasattr(cgcompile, "stats"):
-        print(f"\nstats: {cgcompile.stats()}")
+    st = cgcompile.stats()
+    print(f"\ngraphs captured: {st['graphs_captured']}, replays: {st['replays']}, "
+          f"eager fallbacks: {len(st['eager_fallbacks'])}")
+    if st["graphs_captured"] == 0:
+        print("nothing was captured: on a CPU driver=auto runs every partition eagerly; the plan above shows what "
+              "a GPU would capture. `python -m cgcompile.demo --driver emulate` exercises capture and replay on "
+              "the CPU.")
     return 0
 
 

@@ -81,9 +81,9 @@ def _graph_html(graph: GraphPlan, config) -> str:
                     f"<td>{_esc(p.module or '-')}</td><td>{p.num_ops}</td><td class=\"reasons\">{reasons}</td></tr>")
     return (f'<section class="graph" data-index="{graph.index}">\n<h2>graph {graph.index}</h2>\n'
             f'<div class="summary">{_esc(summary_line(graph, config))}</div>\n'
-            f'<div class="strip">\n' + "\n".join(cells) + "\n</div>\n"
-            f"<details><summary>partitions and reasons</summary><table>\n"
-            f"<tr><th>id</th><th>kind</th><th>tags</th><th>module</th><th>ops</th><th>reasons</th></tr>\n"
+            '<div class="strip">\n' + "\n".join(cells) + "\n</div>\n"
+            "<details><summary>partitions and reasons</summary><table>\n"
+            "<tr><th>id</th><th>kind</th><th>tags</th><th>module</th><th>ops</th><th>reasons</th></tr>\n"
             + "\n".join(rows) + "\n</table></details>\n</section>")
 
 
@@ -108,7 +108,7 @@ def plan_to_html(plan: Plan, path: Optional[str | os.PathLike] = None) -> str:
     ]
     if migrations:
         parts.append(f'<div class="config">migrated: {_esc("; ".join(str(m) for m in migrations))}</div>')
-    parts.append(f'<p class="legend"><span><i class="swatch capture"></i>captured (one CUDA graph per partition)'
+    parts.append(f'<p class="legend"><span><i class="swatch capture"></i>captured (replayed as CUDA graphs)'
                  f'</span><span><i class="swatch eager"></i>eager (hover for the reason)</span>'
                  f"<span>width: op count (min {MIN_WIDTH_PX}px)</span></p>")
     parts.extend(_graph_html(graph, plan.config) for graph in plan.graphs)

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import cgcompile
-from cgcompile.stats import reset_stats, stats
+from cgcompile import reset_stats, stats
 from tests.models import MODELS
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import cgcompile
-from cgcompile.stats import reset_stats, stats
+from cgcompile import reset_stats, stats
 from tests.models import MODELS, moe
 
 

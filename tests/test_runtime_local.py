@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from cgcompile.stats import reset_stats, stats
+from cgcompile import reset_stats, stats
 from cgcompile.config import CudaGraphConfig
 from cgcompile.runtime import ModelRuntime, compile_partition
 

@@ -9,7 +9,7 @@ import torch
 
 import cgcompile
 from cgcompile.runtime.te import emulated_make_graphed_callables
-from cgcompile.stats import reset_stats, stats
+from cgcompile import reset_stats, stats
 from tests.models import MODELS
 
 

@@ -42,8 +42,7 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
-# Not `from .. import stats`: the package's public `stats` is the stats() function, not this module.
-from ..stats import add as _count, record as _record
+from ..counters import add as _count, record as _record
 from .driver import CaptureError, CapturedGraph, Driver, EagerDriver, get_driver
 
 __all__ = ["ModelRuntime", "compile_partition"]

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import torch
 import torch.fx as fx
 
-from .. import stats
+from .. import counters
 from ..errors import ConfigError
 from ..partition import replace_submodule
 
@@ -98,14 +98,14 @@ class TEFrame:
             reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
             for name, rec in zip(self.names, recorders):
                 replace_submodule(self.split_gm, name, rec.submod)
-                stats.record("eager_fallbacks", name, f"transformer_engine graphing failed: {reason}", once=True)
+                counters.record("eager_fallbacks", name, f"transformer_engine graphing failed: {reason}", once=True)
             log.warning("cgcompile: transformer_engine graphing of %d partitions failed, running them eagerly: %s",
                         len(callables), reason)
             return
         graphed = graphed if isinstance(graphed, (tuple, list)) else (graphed,)
         for name, fn in zip(self.names, graphed):
             replace_submodule(self.split_gm, name, fn)
-        stats.add("graphs_captured", 2 * len(callables))
+        counters.add("graphs_captured", 2 * len(callables))
         log.info("cgcompile: transformer_engine graphed %d partitions", len(callables))
 
 

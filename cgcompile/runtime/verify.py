@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import _compat, stats
+from .. import _compat, counters
 
 log = logging.getLogger("cgcompile")
 
@@ -54,6 +54,6 @@ class VerifiedPartition(torch.nn.Module):
         with torch.no_grad():
             expected = self.submod(*copies)
         diff = _max_difference(out, expected)
-        stats.record_max("verify_max_diff", self.name, diff)
+        counters.record_max("verify_max_diff", self.name, diff)
         log.info("cgcompile verify: %s call %d: max |captured - eager| = %.3g", self.name, self.calls, diff)
         return out

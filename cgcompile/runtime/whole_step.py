@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .. import _compat, stats
+from .. import _compat, counters
 from ..errors import ConfigError
 from .driver import Driver, _host_sync_reason, get_driver
 
@@ -116,7 +116,7 @@ class CapturedStep:
                 if isinstance(static, torch.Tensor) and static is not new:
                     static.copy_(new)
         outputs = variant.graph.replay()
-        stats.add("replays")
+        counters.add("replays")
         copies = [o.clone() if isinstance(o, torch.Tensor) else o for o in outputs]
         return _compat.tree_unflatten(copies, variant.out_spec)
 
@@ -148,9 +148,9 @@ class CapturedStep:
         start = time.perf_counter()
         variant.graph = driver.capture(run, variant.static_inputs, self._pool, warmup=False)
         elapsed = time.perf_counter() - start
-        stats.add("graphs_captured")
-        stats.add("capture_seconds", elapsed)
-        stats.add("pool_bytes", variant.graph.pool_bytes)
+        counters.add("graphs_captured")
+        counters.add("capture_seconds", elapsed)
+        counters.add("pool_bytes", variant.graph.pool_bytes)
         log.info("capture_step: captured the %s step in %.2f s", "training" if grad else "forward-only", elapsed)
 
 

@@ -1,15 +1,13 @@
 """NCCL on one GPU (world size 1): fixed-shape collectives captured inside CUDA graphs, parity with eager.
 
 Skipped without CUDA/NCCL. Uses the public API only: torch.compile(..., backend="cudagraph_modules",
-options={..., "driver": "cuda"}) and the runtime counters (`cgcompile.stats()` once exported, else the module
-cgcompile/stats.py). NCCL supports collectives inside CUDA graphs (NCCL >= 2.9); Megatron refuses to capture
+options={..., "driver": "cuda"}) and the runtime counters (`cgcompile.stats()`). NCCL supports collectives inside CUDA graphs (NCCL >= 2.9); Megatron refuses to capture
 with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless NCCL_GRAPH_REGISTER=0 (illegal memory access
 otherwise, on pre-Blackwell GPUs for its local impl), so the fixture sets that before NCCL starts.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -54,18 +52,6 @@ def nccl_group(tmp_path_factory):
     dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
     yield dist.group.WORLD
     dist.destroy_process_group()
-
-
-def stats_api():
-    """(stats, reset_stats): `cgcompile.stats()` once exported, else cgcompile/stats.py; (None, None) if absent."""
-    stats, reset = getattr(cgcompile, "stats", None), getattr(cgcompile, "reset_stats", None)
-    if stats is None or not callable(stats):
-        try:
-            module = importlib.import_module("cgcompile.stats")
-        except ImportError:
-            return None, None
-        stats, reset = getattr(module, "stats", None), getattr(module, "reset_stats", None)
-    return (stats, reset) if callable(stats) else (None, None)
 
 
 # ---- models -------------------------------------------------------------------------------------------------
@@ -156,19 +142,14 @@ def run_parity(eager, model, compiled, inputs, loss_fn, train: bool, atol: float
 
 
 def assert_captured(min_graphs: int):
-    stats, _ = stats_api()
-    if stats is None:
-        return
-    counters = stats()
+    counters = cgcompile.stats()
     assert counters["graphs_captured"] >= min_graphs, counters
     assert counters["replays"] >= 1, counters
     assert not counters["eager_fallbacks"], counters["eager_fallbacks"]
 
 
 def _reset_stats():
-    _, reset = stats_api()
-    if reset is not None:
-        reset()
+    cgcompile.reset_stats()
 
 
 def cuda_options(*modules, **extra):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cgcompile.stats import reset_stats, stats
+from cgcompile import reset_stats, stats
 from cgcompile.runtime.driver import CaptureError, CudaDriver
 from tests.test_runtime_traps import Net, Syncing, Tied, batch, compiled, grads, static_ptrs
 

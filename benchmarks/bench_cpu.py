@@ -1,0 +1,214 @@
+"""CPU benchmark of cgcompile's host-side costs, as ratios to stock torch measured in this one process.
+
+Three questions, each answered by a median over interleaved repeats (a shared, busy host drifts; interleaving
+puts the drift on both sides of a ratio):
+  (a) compile: the first training step (forward + backward) after torch._dynamo.reset(), backend
+      "cudagraph_modules" vs "aot_eager", on the 8-layer tiny MoE. Same Dynamo flags for both
+      (capture_dynamic_output_shape_ops=True, which the mask dispatch needs to stay in one graph). Twice:
+      driver=auto (on CPU nothing is captured, so no partition is traced by aot_autograd) and driver=emulate
+      (aot_autograd per captured partition plus emulated capture: the compile work a GPU run does).
+  (b) steady per-call host time vs Dynamo's "eager" backend, our options {"driver": "eager"}: a forward call
+      and a training step (forward + backward), after warmup. Small inputs, so overhead is what is measured.
+  (c) cgcompile.explain() at 4 vs 16 layers: should grow linearly in layers (<= 5x for 4x the layers).
+Torch runs on one intra-op thread: the quantities are Python-bound, and one thread is far less sensitive to
+other processes on a small machine.
+
+    python benchmarks/bench_cpu.py             # 1-1.5 min on a 2-core machine
+    python benchmarks/bench_cpu.py --quick     # seconds; smaller models, one repeat (CI smoke run)
+    python benchmarks/bench_cpu.py --profile   # also cProfile our side of each metric, top functions
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import os
+import platform
+import pstats
+import statistics
+import sys
+import time
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # for tests.models
+
+import torch  # noqa: E402
+
+import cgcompile  # noqa: E402
+from tests.models import MODELS  # noqa: E402
+
+SPEC = MODELS["moe_mask"]
+OURS = "cudagraph_modules"
+
+
+def _reset_model_grads(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def first_step_seconds(model, tokens, backend: str, options=None) -> float:
+    """Wall time of the first forward+backward after a Dynamo reset: tracing + backend compile + one step."""
+    torch._dynamo.reset()
+    kwargs = {"options": options} if options is not None else {}
+    compiled = torch.compile(model, backend=backend, **kwargs)
+    start = time.perf_counter()
+    SPEC.loss(compiled, tokens).backward()
+    elapsed = time.perf_counter() - start
+    _reset_model_grads(model)
+    return elapsed
+
+
+def per_call_seconds(fn, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def interleaved(fns: dict, repeats: int, calls: int) -> dict:
+    """{name: median per-call seconds}, the candidates alternating block by block."""
+    samples = {name: [] for name in fns}
+    for r in range(repeats):
+        order = list(fns) if r % 2 == 0 else list(reversed(fns))
+        for name in order:
+            samples[name].append(per_call_seconds(fns[name], calls))
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def bench_compile(layers: int, repeats: int, drivers) -> dict:
+    """{driver: (ours, aot_eager)} median first-step seconds; all candidates interleaved."""
+    model = SPEC.make(num_layers=layers)
+    (tokens,) = SPEC.example_inputs()
+    candidates = [("aot_eager", "aot_eager", None)] + [(d, OURS, SPEC.options(driver=d)) for d in drivers]
+    warm = SPEC.make(num_layers=1)  # first use of each backend pays imports and lazy init: not compile time
+    for _, backend, options in candidates:
+        first_step_seconds(warm, tokens, backend, options)
+    samples = {name: [] for name, _, _ in candidates}
+    for r in range(repeats):
+        for name, backend, options in (candidates if r % 2 == 0 else candidates[::-1]):
+            samples[name].append(first_step_seconds(model, tokens, backend, options))
+    base = statistics.median(samples["aot_eager"])
+    return {d: (statistics.median(samples[d]), base) for d in drivers}
+
+
+def bench_steady(layers: int, repeats: int, calls: int) -> dict:
+    """{"forward": (ours, base), "fwd+bwd": (ours, base)} median seconds per call."""
+    model = SPEC.make(num_layers=layers)
+    (tokens,) = SPEC.example_inputs()
+    torch._dynamo.reset()
+    ours = torch.compile(model, backend=OURS, options={"driver": "eager"})
+    base = torch.compile(model, backend="eager")
+
+    def fwd(compiled):
+        return lambda: compiled(tokens)
+
+    def step(compiled):
+        def run():
+            SPEC.loss(compiled, tokens).backward()
+            _reset_model_grads(model)
+        return run
+
+    for fn in (fwd(ours), fwd(base), step(ours), step(base)):
+        for _ in range(5):  # compile, and anything the runtime does in its first calls
+            fn()
+    forward = interleaved({"ours": fwd(ours), "base": fwd(base)}, repeats, calls)
+    train = interleaved({"ours": step(ours), "base": step(base)}, repeats, calls)
+    return {"forward": (forward["ours"], forward["base"]), "fwd+bwd": (train["ours"], train["base"])}
+
+
+def bench_explain(small: int, large: int, repeats: int) -> tuple:
+    (tokens,) = SPEC.example_inputs()
+    models = {n: SPEC.make(num_layers=n) for n in (small, large)}
+    options = SPEC.options()
+    cgcompile.explain(SPEC.make(num_layers=1), tokens, options=options)  # warm imports
+    samples = {small: [], large: []}
+    for r in range(repeats):
+        for n in ((small, large) if r % 2 == 0 else (large, small)):
+            start = time.perf_counter()
+            cgcompile.explain(models[n], tokens, options=options)
+            samples[n].append(time.perf_counter() - start)
+    return statistics.median(samples[large]), statistics.median(samples[small])
+
+
+def profile(label: str, fn, top: int) -> None:
+    """cProfile one call of `fn`; print the top functions by cumulative and by own time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    for key in ("cumulative", "tottime"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
+        body = out.getvalue()
+        for prefix in (os.path.dirname(os.path.dirname(torch.__file__)), ROOT):  # torch/..., cgcompile/...
+            body = body.replace(prefix + os.sep, "")
+        body = body[body.find("   ncalls"):] if "   ncalls" in body else body
+        print(f"\n--- profile {label}, by {key} ---\n{body.rstrip()}")
+
+
+def fmt_time(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.2f} ms"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small models, one repeat: a smoke run for CI")
+    parser.add_argument("--repeats", type=int, default=None, help="repeats per metric (default 3, quick 1)")
+    parser.add_argument("--profile", action="store_true", help="cProfile our side of each metric")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    repeats = args.repeats or (1 if args.quick else 3)
+    compile_layers, explain_layers = (2, (1, 4)) if args.quick else (8, (4, 16))
+    steady_calls = 10 if args.quick else 40
+    steady_repeats = 3 if args.quick else 2 * repeats + 1
+
+    print(f"cgcompile CPU benchmark, {datetime.date.today().isoformat()}; torch {torch.__version__}, "
+          f"python {platform.python_version()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s)"
+          f"{'; QUICK (smoke run, not the reference numbers)' if args.quick else ''}")
+    print(f"model: tests/models moe_mask (d=32, 4 experts top-2), tokens (2, 8); repeats {repeats}, medians\n")
+    started = time.perf_counter()
+    rows = []
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        for driver, (ours, base) in bench_compile(compile_layers, repeats, ("auto", "emulate")).items():
+            rows.append((f"(a) first fwd+bwd after reset, {compile_layers}-layer, driver={driver}", "aot_eager",
+                         ours, base, 1.3))
+        steady = bench_steady(compile_layers, steady_repeats, steady_calls)
+        for what, (ours, base) in steady.items():
+            rows.append((f"(b) steady {what}, {compile_layers}-layer, driver=eager", "eager backend", ours, base, 1.1))
+        small, large = explain_layers
+        ours, base = bench_explain(small, large, repeats)
+        rows.append((f"(c) explain(), {large} vs {small} layers", f"{small} layers", ours, base, 5.0))
+
+        header = ("metric", "cgcompile", "baseline", "vs", "ratio", "goal", "result")
+        table = [header] + [
+            (name, fmt_time(o), fmt_time(b), vs, f"{o / b:.2f}x", f"<= {goal:.2f}x", "PASS" if o / b <= goal else "MISS")
+            for name, vs, o, b, goal in rows]
+        widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+        for row in table:
+            print("  ".join(c.ljust(w) if i in (0, 3, 6) else c.rjust(w)
+                            for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+        print(f"\ntotal {time.perf_counter() - started:.0f} s")
+
+        if args.profile:
+            model = SPEC.make(num_layers=compile_layers)
+            (tokens,) = SPEC.example_inputs()
+            profile("(a) cgcompile first step, driver=emulate",
+                    lambda: first_step_seconds(model, tokens, OURS, SPEC.options(driver="emulate")), 25)
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend=OURS, options={"driver": "eager"})
+            for _ in range(5):
+                compiled(tokens)
+            profile("(b) cgcompile steady forward x200", lambda: [compiled(tokens) for _ in range(200)], 25)
+            big = SPEC.make(num_layers=explain_layers[1])
+            profile(f"(c) explain {explain_layers[1]} layers",
+                    lambda: cgcompile.explain(big, tokens, options=SPEC.options()), 25)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Each example runs as a user would run it (a subprocess, tiny settings, CPU) and prints what it promises."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_example(name, *args, timeout=180):
+    # The CPU path even on a GPU machine; one OpenMP thread, since spinning threads on a busy small host can
+    # slow a run down 30x.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc.stdout
+
+
+@pytest.mark.parametrize("driver", ["auto", "emulate"])
+def test_train_moe_learns_and_prints_plan(driver, tmp_path):
+    html = tmp_path / "plan.html"
+    out = run_example("train_moe.py", "--steps", "60", "--log-every", "20", "--driver", driver, "--html", str(html))
+    assert "cgcompile plan: cuda_graph_impl=local" in out
+    assert re.search(r"^\s*\d+\s+capture\s+attn\+moe_router\+moe_preprocess\s", out, re.M)
+    assert re.search(r"dynamic_shape: torch\.nonzero at moe\.py:\d+", out)  # why the dispatch stays eager
+    assert f"driver={driver}" in out
+    losses = [float(x) for x in re.findall(r"^step\s+\d+/60\s+loss (\d+\.\d+)$", out, re.M)]
+    assert len(losses) == 4  # steps 0, 20, 40 and the last one
+    assert losses[-1] < 0.5 * losses[0], losses  # the synthetic task is learnable: the loss must fall
+    assert html.read_text().startswith("<!DOCTYPE html>")
+
+
+@pytest.mark.parametrize("scope, captured", [("layer", 2), ("block", 1)])
+def test_infer_gpt_scopes(scope, captured):
+    out = run_example("infer_gpt.py", "--scope", scope, "--layers", "2", "--tokens", "6")
+    assert f"inference, {scope} scope" in out
+    assert re.search(rf"partitions, {captured} captured", out), out  # one graph per layer vs one for the block
+    assert "greedy tokens identical to eager: True" in out
+    rates = re.findall(r"^(eager|cgcompile):\s+(\d+\.\d+) tokens/s", out, re.M)
+    assert [name for name, _ in rates] == ["eager", "cgcompile"] and all(float(r) > 0 for _, r in rates)
+
+
+def test_megatron_flags_migrations():
+    out = run_example("megatron_flags.py")
+    blocks = out.strip().split("\n\n")
+    by_input = {b.splitlines()[0]: b for b in blocks if b.startswith("input:")}
+    full_iter = by_input["input:      {'cuda_graph_impl': 'local', 'cuda_graph_scope': ['full_iteration']}"]
+    assert "FutureWarning: deprecated option: cuda_graph_scope=['full_iteration'] -> " \
+           "cuda_graph_impl='full_iteration'" in full_iter
+    assert "normalized: cuda_graph_impl='full_iteration', cuda_graph_modules=[]" in full_iter
+    mixed = by_input["input:      {'cuda_graph_scope': ['attn', 'moe_router', 'moe_preprocess', "
+                     "'full_iteration_inference']}"]
+    assert "cuda_graph_modules=['attn', 'moe_router', 'moe_preprocess'], inference_cuda_graph_scope='block'" in mixed
+    two = by_input["input:      {'enable_cuda_graph': True, 'cuda_graph_scope': 'attn,mlp'}"]
+    assert two.count("FutureWarning") == 2 and two.count(" -> ") == 4  # two warnings, two recorded migrations
+    assert sum("ConfigError: " in b for b in blocks) == 2
+    assert out.rstrip().endswith("8 migrated, 2 rejected")
