@@ -4,16 +4,17 @@ Three questions, each answered by a median over interleaved repeats (a shared, b
 puts the drift on both sides of a ratio):
   (a) compile: the first training step (forward + backward) after torch._dynamo.reset(), backend
       "cudagraph_modules" vs "aot_eager", on the 8-layer tiny MoE. Same Dynamo flags for both
-      (capture_dynamic_output_shape_ops=True, which the mask dispatch needs to stay in one graph). Twice:
-      driver=auto (on CPU nothing is captured, so no partition is traced by aot_autograd) and driver=emulate
-      (aot_autograd per captured partition plus emulated capture: the compile work a GPU run does).
+      (capture_dynamic_output_shape_ops=True, which the mask dispatch needs to stay in one graph), with
+      driver=auto (on CPU nothing is captured, so no partition is traced by aot_autograd); with --emulate also
+      driver=emulate (aot_autograd per captured partition plus emulated capture: the compile work a GPU run does).
   (b) steady per-call host time vs Dynamo's "eager" backend, our options {"driver": "eager"}: a forward call
       and a training step (forward + backward), after warmup. Small inputs, so overhead is what is measured.
   (c) cgcompile.explain() at 4 vs 16 layers: should grow linearly in layers (<= 5x for 4x the layers).
 Torch runs on one intra-op thread: the quantities are Python-bound, and one thread is far less sensitive to
 other processes on a small machine.
 
-    python benchmarks/bench_cpu.py             # 1-1.5 min on a 2-core machine
+    python benchmarks/bench_cpu.py             # about a minute on a 2-core machine
+    python benchmarks/bench_cpu.py --emulate   # also the compile cost with emulated capture
     python benchmarks/bench_cpu.py --quick     # seconds; smaller models, one repeat (CI smoke run)
     python benchmarks/bench_cpu.py --profile   # also cProfile our side of each metric, top functions
 """
@@ -159,6 +160,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="repeats per metric (default 3, quick 1)")
     parser.add_argument("--profile", action="store_true", help="cProfile our side of each metric")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--emulate", action="store_true",
+                        help="also time (a) with driver=emulate (the compile work a GPU run does; adds ~15 s)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -174,7 +177,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     rows = []
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        for driver, (ours, base) in bench_compile(compile_layers, repeats, ("auto", "emulate")).items():
+        for driver, (ours, base) in bench_compile(compile_layers, repeats, ("auto", "emulate") if args.emulate else ("auto",)).items():
             rows.append((f"(a) first fwd+bwd after reset, {compile_layers}-layer, driver={driver}", "aot_eager",
                          ours, base, 1.3))
         steady = bench_steady(compile_layers, steady_repeats, steady_calls)

@@ -86,7 +86,7 @@ def test_goal_rows_verdicts():
 
 
 def test_bench_cpu_quick_table():
-    out = run_script("bench_cpu.py", "--quick")
+    out = run_script("bench_cpu.py", "--quick", "--emulate")
     rows = [line for line in out.splitlines() if line.startswith("(")]
     assert [r[:3] for r in rows] == ["(a)", "(a)", "(b)", "(b)", "(c)"]
     for row in rows:

@@ -6,6 +6,12 @@ every partition), then hands all captured partitions to the graphing function at
 injectable (`options["te"]["graphing_fn"]`), so the glue is tested with torch.cuda.make_graphed_callables, which
 has the same contract, on a GPU, and with `emulated_make_graphed_callables` on the CPU. Every other key of
 `options["te"]` is passed to it unchanged (fp8_enabled, fp8_recipe, fp8_group, num_warmup_iters, ...).
+
+TE's restrictions, and where each is handled: tensor-only arguments and outputs are checked at plan time
+(partition.py reports a `te_restriction` reason and keeps such a partition eager); module hooks cannot bite,
+because the callables handed over are split FX submodules (Dynamo already inlined the user's hooks into the
+graph) and carry none; train/eval consistency holds because Dynamo guards on the training flag, so eval mode
+compiles a separate frame, and no-grad frames are not graphed at all (transformer_engine has no inference scope).
 """
 
 from __future__ import annotations
