@@ -23,7 +23,7 @@ from .passes import is_static_placeholder, node_location
 from .runtime.local import ModelRuntime, compile_partition
 from .runtime.te import TEFrame, resolve_graphing_fn
 from .runtime.verify import VerifiedPartition
-from .partition import BLOCK_SCOPE, LAYER_SCOPE, OFF_SCOPE, GraphPlan, plan_graph, replace_submodule, split
+from .partition import BLOCK_SCOPE, LAYER_SCOPE, OFF_SCOPE, GraphPlan, hoist_scalar_input_reads, plan_graph, replace_submodule, split
 
 register_with_torch_logs()
 
@@ -56,6 +56,7 @@ def make_plan(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGra
     training = torch.is_grad_enabled()
     scope = scope_for(config, training)
     device = device_of(example_inputs)
+    hoist_scalar_input_reads(gm)
     return plan_graph(gm, config, index, training=training, device=device, scope=scope or OFF_SCOPE)
 
 

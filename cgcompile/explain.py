@@ -9,7 +9,8 @@ import torch
 
 from .backend import device_of, scope_for
 from .config import CudaGraphConfig
-from .partition import OFF_SCOPE, GraphBreak, Plan, check_selected_tags, graph_tags, plan_graph
+from .partition import (OFF_SCOPE, GraphBreak, Plan, check_selected_tags, graph_tags, hoist_scalar_input_reads,
+                        plan_graph)
 from .passes import module_regions
 
 _FRAME = re.compile(r"^(.*):(\d+)$")
@@ -43,6 +44,7 @@ def explain(model_or_fn, *args: Any, options: Optional[dict] = None, **kwargs: A
     present: dict = {}
     for index, gm in enumerate(output.graphs):
         inputs = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        hoist_scalar_input_reads(gm)
         present.update(dict.fromkeys(graph_tags(module_regions(gm))))
         plan.graphs.append(plan_graph(gm, config, index, training=training, device=device_of(inputs), scope=scope,
                                       validate_tags=False))

@@ -238,7 +238,8 @@ def _selected_runs(nodes, regions, blocking, selected, config) -> List[_Run]:
     poisoned: Dict[str, List[Finding]] = {}
     for node in nodes:
         region = region_of[node]
-        if region is not None and node in blocking:
+        # scalar-input reads run at the top of the graph (hoist_scalar_input_reads), outside every region
+        if region is not None and node in blocking and blocking[node].category != "scalar_input":
             poisoned.setdefault(region[0], []).append(blocking[node])
     if poisoned and config.strict:
         lines = [f"  {path}: {f.category} {f.op} at {f.location}" for path, fs in poisoned.items() for f in fs]
@@ -328,6 +329,8 @@ def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> Lis
     for pid, run in enumerate(coalesced):
         tags: Dict[str, None] = {}
         for node in run.nodes:
+            if node in blocking and blocking[node].category == "scalar_input":
+                continue  # hoisted to the top: its module is where the number is used, not where it runs
             tagged = regions[node].innermost_tag(selected or None)
             if tagged is not None:
                 tags.setdefault(tagged[1])
@@ -379,6 +382,26 @@ def _te_restriction(nodes: List[fx.Node]) -> Optional[Finding]:
                                detail=f"transformer_engine graphs take and return tensors only; this partition "
                                       f"{verb} {value_node.name} = {value!r}")
     return None
+
+
+def hoist_scalar_input_reads(gm: fx.GraphModule) -> fx.GraphModule:
+    """Move the reads of Python-number inputs (passes/scalar_inputs.py) right after the placeholders, so they form
+    one eager run at the top instead of cutting captured regions apart. They depend on placeholders only, so the
+    move keeps the graph's meaning. Mutates and returns `gm`."""
+    from .passes.common import is_scalar_input_read
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not placeholders:
+        return gm
+    anchor = placeholders[-1]
+    moved = False
+    for node in list(gm.graph.nodes):
+        if is_scalar_input_read(node):
+            anchor.append(node)
+            anchor = node
+            moved = True
+    if moved:
+        gm.recompile()
+    return gm
 
 
 def split(gm: fx.GraphModule, graph_plan: GraphPlan) -> fx.GraphModule:

@@ -15,6 +15,7 @@ from .custom_ops import find_cudagraph_unsafe_ops
 from .dynamic_shapes import find_data_dependent_shapes
 from .mutation import find_input_mutations
 from .regions import RegionInfo, module_regions
+from .scalar_inputs import find_scalar_input_reads
 from .sync_ops import find_host_syncs
 
 __all__ = [
@@ -29,6 +30,7 @@ PASSES: List[Callable[[fx.GraphModule], Dict[fx.Node, List[Finding]]]] = [
     find_cudagraph_unsafe_ops,
     find_input_mutations,
     find_data_dependent_shapes,
+    find_scalar_input_reads,
 ]
 
 

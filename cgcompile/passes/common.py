@@ -148,3 +148,26 @@ def has_tag(node: fx.Node, tag: "torch.Tag") -> bool:
     except (AttributeError, RuntimeError):
         return False
     return bool(overloads) and any(tag in o.tags for o in overloads[:1])
+
+
+def is_scalar_input_read(node: fx.Node) -> bool:
+    """`.item()` of a graph input that Dynamo made from a Python number (with dynamic=True it passes floats such
+    as a LayerNorm eps as 0-d CPU tensors and reads them back). A host value known on entry, not a device sync.
+
+    Reads Dynamo's private `grapharg` node meta (GraphArg.pass_arg_as_tensor; checked on torch 2.11 and 2.13)."""
+    if node.op != "call_method" or node.target != "item" or not node.args:
+        return False
+    source = node.args[0]
+    if not isinstance(source, fx.Node) or source.op != "placeholder":
+        return False
+    return bool(getattr(source.meta.get("grapharg"), "pass_arg_as_tensor", False))
+
+
+def scalar_input_symbols(gm: fx.GraphModule) -> set:
+    """The symbols of the Python numbers read by `is_scalar_input_read` nodes: known on entry, like backed sizes."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+    symbols: set = set()
+    for node in compute_nodes(gm):
+        if is_scalar_input_read(node):
+            symbols |= set(free_symbols(example_value(node)))
+    return symbols

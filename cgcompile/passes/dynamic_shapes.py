@@ -13,31 +13,34 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from .common import Finding, compute_nodes, example_value, finding, has_tag
+from .common import Finding, compute_nodes, example_value, finding, has_tag, is_scalar_input_read, scalar_input_symbols
 
 _ORIGIN_HINT = "use a static-shape form (torch.nonzero_static, output_size=, or pad each group to a fixed capacity)"
 
 
-def _unbacked(value) -> set:
+def _unbacked(value, known: set) -> set:
     try:
-        return set(free_unbacked_symbols(value))
+        return set(free_unbacked_symbols(value)) - known
     except Exception:  # values that carry no shapes (None, strings, dtypes)
         return set()
 
 
-def _input_symbols(node: fx.Node) -> set:
+def _input_symbols(node: fx.Node, known: set) -> set:
     symbols: set = set()
     for arg in node.all_input_nodes:
-        symbols |= _unbacked(example_value(arg))
+        symbols |= _unbacked(example_value(arg), known)
     return symbols
 
 
 def find_data_dependent_shapes(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
     found: Dict[fx.Node, List[Finding]] = {}
     origin_of: Dict[object, fx.Node] = {}  # unbacked symbol -> the node that created it
+    known = scalar_input_symbols(gm)  # Python numbers passed in: known on entry, like backed sizes
     for node in compute_nodes(gm):
-        out_symbols = _unbacked(example_value(node))
-        in_symbols = _input_symbols(node)
+        if is_scalar_input_read(node):
+            continue
+        out_symbols = _unbacked(example_value(node), known)
+        in_symbols = _input_symbols(node, known)
         new_symbols = out_symbols - in_symbols
         for sym in new_symbols:
             origin_of.setdefault(sym, node)

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from .common import Finding, compute_nodes, example_value, finding, has_tag
+from .common import Finding, compute_nodes, example_value, finding, has_tag, is_scalar_input_read
 
 _SCALAR_METHODS = {
     "item": "keep the value on the device as a 0-d tensor (e.g. torch.where instead of a Python if)",
@@ -58,6 +58,8 @@ def _produces_unbacked_scalar(node: fx.Node) -> bool:
 def find_host_syncs(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
     found: Dict[fx.Node, List[Finding]] = {}
     for node in compute_nodes(gm):
+        if is_scalar_input_read(node):
+            continue  # reported by scalar_inputs.py: a host number known on entry, not a device read
         name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
         if node.op == "call_method" and name in _SCALAR_METHODS:
             found[node] = [finding(node, "host_sync", hint=_SCALAR_METHODS[name],
