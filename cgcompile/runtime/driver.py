@@ -55,6 +55,10 @@ class Driver:
         """A memory-pool token for capture(); graphs captured with the same token share memory."""
         return None
 
+    def warmup_stream(self) -> Any:
+        """A context for eager warmup runs of code that will be captured later (no-op off CUDA)."""
+        return contextlib.nullcontext()
+
     def capture(self, fn: Fn, static_inputs: Sequence[Any], pool: Any = None, *,
                 warmup: bool = True) -> CapturedGraph:
         """`warmup=False` skips the driver's own pre-capture run, for callers that warmed up themselves and
@@ -308,6 +312,16 @@ class CudaDriver(Driver):
 
     def new_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
+
+    @contextlib.contextmanager
+    def warmup_stream(self):
+        """Run warmup on the capture's side stream, as torch's whole-network capture recipe does: per-stream
+        library state (cuBLAS workspaces, ...) then exists before the capture on that stream."""
+        stream = self._side_stream()
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            yield
+        torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def _side_stream(self) -> "torch.cuda.Stream":
         if self._stream is None:

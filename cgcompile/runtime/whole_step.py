@@ -105,10 +105,13 @@ class CapturedStep:
         driver = self._driver_for(args)
         variant = self._variants.setdefault(_step_key(args), _Captured())
         variant.calls += 1
-        if variant.calls == 1:
-            return self._checked_eager_step(args, driver)
-        if variant.calls <= self.warmup_steps or not driver.captures:
-            return self.step_fn(*args)
+        if not driver.captures:
+            return self._checked_eager_step(args, driver) if variant.calls == 1 else self.step_fn(*args)
+        if variant.calls <= self.warmup_steps:
+            with driver.warmup_stream():
+                if variant.calls == 1:
+                    return self._checked_eager_step(args, driver)
+                return self.step_fn(*args)
         if variant.graph is None:
             self._capture(variant, args, driver)
         with torch.no_grad():
