@@ -44,6 +44,7 @@ import torch.nn as nn  # noqa: E402
 
 import cgcompile  # noqa: E402
 from tests.models import dense_gpt, moe  # noqa: E402
+from tests.models.dense_gpt import GreedyStep  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "cg-local-eager", "cg-local-inductor", "cg-full-iteration")
 COMPILE_CALLS = 5  # covers cgcompile's default 3 warmup steps + capture, and reduce-overhead's warmup + record
@@ -70,18 +71,6 @@ class Result:
     peak_mib: Optional[float] = None
     busy_ms: Optional[float] = None
     stats: Optional[dict] = None
-
-
-class GreedyStep(nn.Module):
-    """One decode step on a fixed window: the argmax of the last position, and the window slid by one."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, window: torch.Tensor):
-        next_token = self.model(window)[:, -1].argmax(-1, keepdim=True)
-        return torch.cat([window[:, 1:], next_token], dim=1), next_token
 
 
 def moe_workload(args, device, dtype) -> Workload:

@@ -28,18 +28,7 @@ import torch.nn as nn  # noqa: E402
 
 import cgcompile  # noqa: E402
 from tests.models import MAX_SEQ, MODELS  # noqa: E402
-
-
-class GreedyStep(nn.Module):
-    """One decode step on a fixed window: next token = argmax of the last position; the window slides by one."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, window: torch.Tensor):
-        next_token = self.model(window)[:, -1].argmax(-1, keepdim=True)
-        return torch.cat([window[:, 1:], next_token], dim=1), next_token
+from tests.models.dense_gpt import GreedyStep  # noqa: E402
 
 
 def sync(device: str) -> None:

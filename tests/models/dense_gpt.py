@@ -102,3 +102,16 @@ def example_inputs(batch: int = 2, seq: int = 8, seed: int = 0, device=None) -> 
 
 def loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return lm_loss(model(tokens), tokens)
+
+
+class GreedyStep(nn.Module):
+    """One decode step on a fixed window: next token = argmax of the last position; the window slides by one.
+    (No KV cache in the tiny model: a fixed window keeps shapes static, so the step can be captured.)"""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, window: torch.Tensor):
+        next_token = self.model(window)[:, -1].argmax(-1, keepdim=True)
+        return torch.cat([window[:, 1:], next_token], dim=1), next_token
