@@ -24,7 +24,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for tests.models
 
 import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
 
 import cgcompile  # noqa: E402
 from tests.models import MAX_SEQ, MODELS  # noqa: E402
