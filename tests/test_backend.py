@@ -121,3 +121,20 @@ def test_verify_reports_the_difference_per_captured_partition(caplog):
     lines = [r.getMessage() for r in caplog.records if "cgcompile verify" in r.getMessage()]
     assert len(lines) == 2 * 5  # verify starts after warmup and stops after 5 calls per partition
     assert cgcompile.stats()["replays"] > 0
+
+
+def test_graph_runs_unsplit_when_nothing_would_be_captured(monkeypatch):
+    import cgcompile.backend as backend
+
+    calls = []
+    real_split = backend.split
+    monkeypatch.setattr(backend, "split", lambda *a: calls.append(1) or real_split(*a))
+    spec = MODELS["dense_gpt"]
+    (tokens,) = spec.example_inputs()
+    for driver, expected_splits in (("eager", 0), ("auto", 0), ("emulate", 1)):  # auto on CPU = eager
+        torch._dynamo.reset()
+        calls.clear()
+        model = spec.make()
+        compiled = torch.compile(model, backend="cudagraph_modules", options=spec.options(driver=driver))
+        torch.testing.assert_close(compiled(tokens), model(tokens), rtol=0, atol=0)
+        assert len(calls) == expected_splits, driver
