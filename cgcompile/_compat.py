@@ -32,7 +32,7 @@ def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
 
     - inductor=False: torch._functorch.aot_autograd.aot_module_simplified (checked 2.11, 2.13); `run` calls
       the aten graph module.
-    - inductor=True: torch._inductor.compile_fx.compile_fx with a custom `inner_compile` (checked 2.13),
+    - inductor=True: torch._inductor.compile_fx.compile_fx with a custom `inner_compile` (checked 2.11, 2.13),
       so Inductor's decompositions, joint-graph passes and partitioner apply, and each graph is compiled by
       compile_fx_inner. Inductor's own cudagraphs are forced off (we capture), and the AOTAutograd cache is
       off (a cache hit would return compiled graphs without calling inner_compile, i.e. without capture).

@@ -38,6 +38,9 @@ pytestmark = [
     pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"),
 ]
 
+# the autograd-aware token all-to-all traces to the first on torch 2.13 and to the second on torch 2.11
+A2A_OPS = {"_c10d_functional.all_to_all_single", "_c10d_functional_autograd.all_to_all_single"}
+
 
 # ---- worker (runs in the spawned processes) -------------------------------------------------------------
 
@@ -297,11 +300,13 @@ def test_plan_leaves_variable_all_to_all_eager_naming_its_lines(ranks, rank):
     plan = _main_plan(result)
     a2a_lines, sync_lines = _lines(result, "a2a"), _lines(result, "sync")
     token_a2a = [c for c in plan["collectives"] if c["line"] in a2a_lines]
-    assert len(token_a2a) == 4  # dispatch and combine, each an all_to_all_single and its wait_tensor
+    # dispatch and combine: an all_to_all_single each (with its wait_tensor on torch 2.13; torch 2.11 traces the
+    # autograd-aware op, whose wait is not at these lines)
+    assert sum(c["op"] in A2A_OPS for c in token_a2a) == 2, token_a2a
     assert all(c["kind"] == "eager" for c in token_a2a), token_a2a
     reasons = [r for p in plan["partitions"] if p["kind"] == "eager" for r in p["reasons"]]
     collective = [r for r in reasons if r["category"] == "collective"]
-    assert {r["line"] for r in collective if r["op"] == "_c10d_functional.all_to_all_single"} == a2a_lines
+    assert {r["line"] for r in collective if r["op"] in A2A_OPS} == a2a_lines
     # the detail says where the split sizes came from: the .tolist() lines
     for r in collective:
         if r["op"] == "_c10d_functional.all_to_all_single":
@@ -344,7 +349,7 @@ def test_default_flags_split_sizes_passed_as_ints_stay_eager(ranks, rank):
     result = ranks[rank]
     a2a_lines = _lines(result, "a2a")
     dynamic = [c for g in result["whole_layer_plans"] for c in g["collectives"]
-               if c["line"] in a2a_lines and c["op"] == "_c10d_functional.all_to_all_single"]
+               if c["line"] in a2a_lines and c["op"] in A2A_OPS]
     later = [c for g in result["whole_layer_plans"][-2:] for c in g["collectives"] if c["line"] in a2a_lines]
     assert dynamic and later and all(c["kind"] == "eager" for c in later), result["whole_layer_plans"]
     reasons = [r for g in result["whole_layer_plans"][-2:] for p in g["partitions"] for r in p["reasons"]

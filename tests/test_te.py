@@ -88,3 +88,24 @@ def test_non_tensor_partition_boundaries_are_reported_at_plan_time():
     reasons = [r for g in plan.graphs for p in g.partitions for r in p.reasons if r.category == "te_restriction"]
     assert reasons, str(plan)
     assert "tensors only" in reasons[0].detail and "use cuda_graph_impl='local'" in reasons[0].hint
+
+
+def test_frame_reused_for_several_layers_is_not_graphed():
+    """Sort dispatch graph-breaks inside each layer, so Dynamo runs every layer through one compiled frame;
+    make_graphed_callables would copy one layer's parameters over another's: that frame stays eager."""
+    spec = MODELS["moe_sort"]
+    model = spec.make()
+    reference = copy.deepcopy(model)
+    options = te_options(spec, graphing_fn=emulated_make_graphed_callables)
+    compiled = torch.compile(model, backend="cudagraph_modules", options=options)
+    (tokens,) = spec.example_inputs()
+    reset_stats()
+    for _ in range(5):
+        loss, ref = spec.loss(compiled, tokens), spec.loss(reference, tokens)
+        loss.backward()
+        ref.backward()
+        torch.testing.assert_close(loss, ref, rtol=0, atol=0)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+    reasons = {f["reason"] for f in stats()["eager_fallbacks"]}
+    assert any("parameter sets" in r for r in reasons), reasons

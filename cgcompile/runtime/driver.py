@@ -334,7 +334,8 @@ class CudaDriver(Driver):
             pool = self.new_pool()  # explicit even when private, so a failed capture can release it
         stream = self._side_stream()
         with torch.cuda.device(self.device), torch.no_grad():
-            stream.wait_stream(torch.cuda.current_stream())
+            current = torch.cuda.current_stream()
+            stream.wait_stream(current)
             if warmup:
                 with torch.cuda.stream(stream), _HostSyncGuard(on_cuda=True):
                     fn(list(static_inputs))  # result dropped at once: its memory is free for the capture
@@ -352,6 +353,11 @@ class CudaDriver(Driver):
                         failure.append(exc)
                         raise
             except Exception as exc:
+                # torch.cuda.graph.__exit__ (2.11, 2.13) calls capture_end() first and restores the stream after
+                # it; when capture_end() raises (the capture was invalidated, e.g. by a sync inside a custom op's
+                # kernel), the side stream stays current and the eager fallback and everything after it would
+                # run there. The current stream before capture is this one (the context entered above).
+                torch.cuda.set_stream(current)
                 _compat.cuda_end_allocate_to_pool(self.device, pool)
                 cause = failure[0] if failure else exc
                 raise CaptureError(f"CUDA graph capture failed: {cause}") from cause

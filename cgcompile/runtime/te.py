@@ -12,12 +12,20 @@ TE's restrictions, and where each is handled: tensor-only arguments and outputs 
 because the callables handed over are split FX submodules (Dynamo already inlined the user's hooks into the
 graph) and carry none; train/eval consistency holds because Dynamo guards on the training flag, so eval mode
 compiles a separate frame, and no-grad frames are not graphed at all (transformer_engine has no inference scope).
+
+What make_graphed_callables' contract adds (torch's, checked 2.11 and 2.13, and TE's): the split submodules own no
+parameters (Dynamo passes them as arguments), so parameters and buffers are passed as sample arguments and must be
+the very tensors the frame passes (see `_sample`); a frame Dynamo reuses for several layers is not graphed (see
+`_static_key`). A partition with a grad-requiring input that reaches none of its differentiable outputs makes
+graphing fail unless `te={"allow_unused_input": True}` (both functions take it); the frame then runs eagerly, with
+the reason logged. Graphed outputs are static buffers: the next call overwrites them, and a second forward before
+the first backward (gradient accumulation over micro-batches) is not supported by make_graphed_callables.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -51,10 +59,32 @@ def resolve_graphing_fn(te_options: Dict[str, Any]) -> Tuple[Callable[..., Any],
     return (fn if fn is not None else _load_te_graphing_fn()), options
 
 
+def _is_static(arg: Any) -> bool:
+    """A parameter or buffer: nn.Parameter, or a tensor Dynamo marked static (it marks module buffers too)."""
+    return isinstance(arg, torch.nn.Parameter) or (
+        isinstance(arg, torch.Tensor) and hasattr(arg, "_dynamo_static_input_type"))
+
+
+def _static_key(args: Sequence[Any]) -> tuple:
+    """Which parameters and buffers a frame call passes (by object).
+
+    Dynamo reuses one compiled frame for every layer when the layers graph-break, so one frame may run several
+    parameter sets. The graphed callables of make_graphed_callables (torch's and TE's) copy each argument into
+    their sample tensor, which for a parameter is the parameter itself: a call with another layer's parameters
+    would overwrite the graphed layer's. So a frame is graphed only when it has seen one parameter set.
+    """
+    return tuple(id(a) for a in args if _is_static(a))
+
+
 def _sample(arg: Any) -> Any:
-    """A sample argument for graphing: parameters stay themselves (their grads must land on them); other
-    tensors are copied so later steps cannot change them before the graphing call."""
-    if isinstance(arg, torch.nn.Parameter) or not isinstance(arg, torch.Tensor):
+    """A sample argument for graphing: parameters and buffers stay themselves; other tensors are copied so
+    later steps cannot change them before the graphing call.
+
+    make_graphed_callables (torch's and TE's) makes the sample tensors the graphs' static inputs: every call
+    copies its argument into the sample, and the graph reads and writes the sample. A parameter must be the
+    sample so its grads land on it; a buffer too, or the graph's in-place updates (BatchNorm running stats)
+    would go to a clone and the module's buffer would stop changing after graphing."""
+    if _is_static(arg) or not isinstance(arg, torch.Tensor):
         return arg
     return arg.detach().clone().requires_grad_(arg.requires_grad)
 
@@ -84,35 +114,64 @@ class TEFrame:
         self.warmup_steps = max(1, warmup_steps)
         self.calls = 0
         self.graphed = False
-        for name in self.names:
-            replace_submodule(split_gm, name, _Recorder(getattr(split_gm, name)))
+        # Parameter sets seen (see _static_key); the one graphed, once graphing succeeded.
+        self.static_keys: set = set()
+        self.graphed_key: Optional[tuple] = None
+        self.recorders = [_Recorder(getattr(split_gm, name)) for name in self.names]
+        for name, recorder in zip(self.names, self.recorders):
+            replace_submodule(split_gm, name, recorder)
 
     def __call__(self, *args: Any) -> Any:
-        if not self.graphed and self.calls >= self.warmup_steps and torch.is_grad_enabled():
-            self._graph()
+        key = _static_key(args)
+        if not self.graphed:
+            self.static_keys.add(key)
+            if self.calls >= self.warmup_steps and torch.is_grad_enabled():
+                self._graph(key)
+        elif self.graphed_key is not None and key != self.graphed_key:
+            # The graphed callables would copy this call's parameters into the graphed set's (see _static_key):
+            # stop using them; the eager partitions are right for every parameter set.
+            self.graphed_key = None
+            self._fall_back(self.recorders, "transformer_engine graphing dropped: the frame was called with another "
+                                            "parameter set than the one it was graphed with (Dynamo reuses one "
+                                            "frame for every layer when layers graph-break); use "
+                                            "cuda_graph_impl='local', which captures graphs per parameter set")
         self.calls += 1
         return self.split_gm(*args)
 
-    def _graph(self) -> None:
+    def _graph(self, key: tuple) -> None:
         self.graphed = True
-        recorders: List[_Recorder] = [getattr(self.split_gm, name) for name in self.names]
+        recorders = self.recorders
         callables = tuple(r.submod for r in recorders)
         samples = tuple(r.sample for r in recorders)
+        if len(self.static_keys) > 1:
+            self._fall_back(recorders, f"transformer_engine graphing skipped: the frame runs {len(self.static_keys)} "
+                                       f"parameter sets (one per layer: Dynamo reuses the frame when layers graph-"
+                                       f"break) and make_graphed_callables graphs one; use cuda_graph_impl='local'")
+            return
+        stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         try:
             graphed = self.graphing_fn(callables, samples, **self.te_options)
         except Exception as exc:
+            if stream is not None:
+                # torch.cuda.graph.__exit__ (2.11, 2.13) raises from capture_end() before restoring the stream
+                # it switched to; without this, everything after a failed capture would run on that stream.
+                torch.cuda.set_stream(stream)
             reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            for name, rec in zip(self.names, recorders):
-                replace_submodule(self.split_gm, name, rec.submod)
-                counters.record("eager_fallbacks", name, f"transformer_engine graphing failed: {reason}", once=True)
-            log.warning("cgcompile: transformer_engine graphing of %d partitions failed, running them eagerly: %s",
-                        len(callables), reason)
+            self._fall_back(recorders, f"transformer_engine graphing failed: {reason}")
             return
         graphed = graphed if isinstance(graphed, (tuple, list)) else (graphed,)
         for name, fn in zip(self.names, graphed):
             replace_submodule(self.split_gm, name, fn)
+        self.graphed_key = key
         counters.add("graphs_captured", 2 * len(callables))
         log.info("cgcompile: transformer_engine graphed %d partitions", len(callables))
+
+    def _fall_back(self, recorders: List[_Recorder], reason: str) -> None:
+        """Run the partitions eagerly for good: log once, count per partition."""
+        for name, rec in zip(self.names, recorders):
+            replace_submodule(self.split_gm, name, rec.submod)
+            counters.record("eager_fallbacks", name, reason, once=True)
+        log.warning("cgcompile: %d partitions run eagerly: %s", len(recorders), reason)
 
 
 def emulated_make_graphed_callables(callables: Sequence[Any], sample_args: Sequence[Tuple[Any, ...]], *,
