@@ -23,7 +23,8 @@ from .passes import is_static_placeholder, node_location
 from .runtime.local import ModelRuntime, compile_partition
 from .runtime.te import TEFrame, resolve_graphing_fn
 from .runtime.verify import VerifiedPartition
-from .partition import BLOCK_SCOPE, LAYER_SCOPE, OFF_SCOPE, GraphPlan, hoist_scalar_input_reads, plan_graph, replace_submodule, split
+from .partition import (BLOCK_SCOPE, LAYER_SCOPE, OFF_SCOPE, GraphPlan, hoist_scalar_input_reads, plan_graph,
+                        replace_submodule, split)
 
 register_with_torch_logs()
 
@@ -51,13 +52,14 @@ def scope_for(config: CudaGraphConfig, training: bool) -> Optional[str]:
     return None
 
 
-def make_plan(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGraphConfig,
-              index: int) -> GraphPlan:
+def make_plan(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGraphConfig, index: int, *,
+              validate_tags: bool = True) -> GraphPlan:
+    """Plan one Dynamo graph for the current grad mode (hoisting scalar-input reads first, see partition.py)."""
     training = torch.is_grad_enabled()
     scope = scope_for(config, training)
-    device = device_of(example_inputs)
     hoist_scalar_input_reads(gm)
-    return plan_graph(gm, config, index, training=training, device=device, scope=scope or OFF_SCOPE)
+    return plan_graph(gm, config, index, training=training, device=device_of(example_inputs),
+                      scope=scope or OFF_SCOPE, validate_tags=validate_tags)
 
 
 class _PlanListener:

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any, Optional
 
 import torch
 
-from .backend import device_of, scope_for
+from .backend import make_plan
 from .config import CudaGraphConfig
-from .partition import (OFF_SCOPE, GraphBreak, Plan, check_selected_tags, graph_tags, hoist_scalar_input_reads,
-                        plan_graph)
+from .partition import GraphBreak, Plan, check_selected_tags, graph_tags
 from .passes import module_regions
-
-_FRAME = re.compile(r"^(.*):(\d+)$")
-
 
 def _break_location(reason: Any) -> Optional[str]:
     stack = getattr(reason, "user_stack", None) or []
@@ -39,15 +34,12 @@ def explain(model_or_fn, *args: Any, options: Optional[dict] = None, **kwargs: A
     fn = getattr(model_or_fn, "_orig_mod", model_or_fn)
     output = _run_dynamo_explain(fn, args, kwargs)
     plan = Plan(config)
-    training = torch.is_grad_enabled()
-    scope = scope_for(config, training) or OFF_SCOPE
     present: dict = {}
     for index, gm in enumerate(output.graphs):
         inputs = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
-        hoist_scalar_input_reads(gm)
         present.update(dict.fromkeys(graph_tags(module_regions(gm))))
-        plan.graphs.append(plan_graph(gm, config, index, training=training, device=device_of(inputs), scope=scope,
-                                      validate_tags=False))
+        # tags are checked over all graphs at once below: one graph of a broken frame may hold none of them
+        plan.graphs.append(make_plan(gm, inputs, config, index, validate_tags=False))
     if config.cuda_graph_modules and plan.graphs:
         check_selected_tags(config, list(present))
     seen = set()
