@@ -11,6 +11,7 @@ import torch
 import cgcompile
 from cgcompile.backend import record_plans
 from tests.models import MODELS
+from tests.parity import assert_step_matches_eager
 
 CONFIGS = {
     "none": {"cuda_graph_impl": "none"},
@@ -19,25 +20,14 @@ CONFIGS = {
 }
 
 
-def dynamo_flags(spec):
-    # mask dispatch: keep nonzero in the graph as an eager island; sort dispatch: default flags (graph breaks)
-    return {"capture_dynamic_output_shape_ops": True} if spec.dispatch == "mask" else {}
-
-
 def assert_matches_eager(spec, options, steps=2):
     model = spec.make(num_layers=2)
     reference = copy.deepcopy(model)
     (tokens,) = spec.example_inputs()
     compiled = torch.compile(model, backend="cudagraph_modules", options=options)
-    with torch._dynamo.config.patch(**dynamo_flags(spec)), record_plans() as rec:
+    with torch._dynamo.config.patch(**spec.dynamo_flags()), record_plans() as rec:
         for _ in range(steps):
-            loss = spec.loss(compiled, tokens)
-            ref = spec.loss(reference, tokens)
-            loss.backward()
-            ref.backward()
-            torch.testing.assert_close(loss, ref, rtol=0, atol=0)
-            for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
+            assert_step_matches_eager(spec, compiled, model, reference, tokens)
     return rec.graphs
 
 

@@ -8,6 +8,7 @@ import torch
 import cgcompile
 from cgcompile.backend import record_plans
 from tests.models import MODELS
+from tests.parity import assert_step_matches_eager
 
 
 def test_dynamic_true_captures_one_graph_per_size_and_matches_eager():
@@ -21,12 +22,7 @@ def test_dynamic_true_captures_one_graph_per_size_and_matches_eager():
     with record_plans() as rec:
         for i, seq in enumerate(lengths):
             (tokens,) = spec.example_inputs(seq=seq, seed=i)
-            loss, ref = spec.loss(compiled, tokens), spec.loss(reference, tokens)
-            loss.backward()
-            ref.backward()
-            torch.testing.assert_close(loss, ref, rtol=0, atol=0)
-            for p, q in zip(model.parameters(), reference.parameters()):
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+            assert_step_matches_eager(spec, compiled, model, reference, tokens)
     (graph,) = rec.graphs  # one Dynamo graph for every length
     assert [p.module for p in graph.captured] == ["layers.0", "layers.1"]
     first = graph.partitions[0]

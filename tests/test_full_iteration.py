@@ -8,6 +8,7 @@ import torch
 import cgcompile
 from cgcompile import reset_stats, stats
 from tests.models import MODELS, moe
+from tests.parity import assert_step_matches_eager
 
 
 def test_dense_model_is_one_graph_and_trains_like_eager():
@@ -21,12 +22,7 @@ def test_dense_model_is_one_graph_and_trains_like_eager():
     assert [p.kind for g in plan.graphs for p in g.partitions] == ["capture"]
     reset_stats()
     for _ in range(5):
-        loss, ref = spec.loss(compiled, tokens), spec.loss(reference, tokens)
-        loss.backward()
-        ref.backward()
-        torch.testing.assert_close(loss, ref, rtol=0, atol=0)
-        for p, q in zip(model.parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+        assert_step_matches_eager(spec, compiled, model, reference, tokens)
         model.zero_grad(), reference.zero_grad()
     assert stats()["graphs_captured"] == 2  # one forward graph, one backward graph
     assert stats()["replays"] == 2 * (5 - 3)  # after 3 warmup steps

@@ -179,8 +179,7 @@ def test_moe_plans_capture_router_and_preprocess_per_layer_never_an_expert(name)
     spec = MODELS[name]
     model = spec.make(num_layers=2)
     (tokens,) = spec.example_inputs()
-    flags = {"capture_dynamic_output_shape_ops": True} if spec.dispatch == "mask" else {}
-    p = plan(model, spec.options(), tokens, **flags)
+    p = plan(model, spec.options(), tokens, **spec.dynamo_flags())
     captured = [part for g in p.graphs for part in g.captured]
     assert all("expert" not in (part.module or "") for part in captured)
     for part in captured:

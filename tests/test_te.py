@@ -11,6 +11,7 @@ import cgcompile
 from cgcompile.runtime.te import emulated_make_graphed_callables
 from cgcompile import reset_stats, stats
 from tests.models import MODELS
+from tests.parity import assert_step_matches_eager
 
 
 def te_options(spec, **te):
@@ -44,15 +45,9 @@ def test_graphed_partitions_train_like_eager(name):
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference))
     (tokens,) = spec.example_inputs()
     reset_stats()
-    flags = {"capture_dynamic_output_shape_ops": True} if spec.dispatch == "mask" else {}
-    with torch._dynamo.config.patch(**flags):
+    with torch._dynamo.config.patch(**spec.dynamo_flags()):
         for _ in range(6):
-            loss, ref = spec.loss(compiled, tokens), spec.loss(reference, tokens)
-            loss.backward()
-            ref.backward()
-            torch.testing.assert_close(loss, ref, rtol=0, atol=0)
-            for p, q in zip(model.parameters(), reference.parameters()):
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+            assert_step_matches_eager(spec, compiled, model, reference, tokens)
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
     assert calls == [(2, {"num_warmup_iters": 2})]  # all captured partitions of the frame at once, TE args passed
@@ -101,11 +96,6 @@ def test_frame_reused_for_several_layers_is_not_graphed():
     (tokens,) = spec.example_inputs()
     reset_stats()
     for _ in range(5):
-        loss, ref = spec.loss(compiled, tokens), spec.loss(reference, tokens)
-        loss.backward()
-        ref.backward()
-        torch.testing.assert_close(loss, ref, rtol=0, atol=0)
-        for p, q in zip(model.parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+        assert_step_matches_eager(spec, compiled, model, reference, tokens)
     reasons = {f["reason"] for f in stats()["eager_fallbacks"]}
     assert any("parameter sets" in r for r in reasons), reasons

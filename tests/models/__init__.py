@@ -56,6 +56,11 @@ class ModelSpec:
         """build() then prepare(): a model ready for torch.compile with the recommended modules."""
         return self.prepare(self.build(num_layers=num_layers, seed=seed, **kw))
 
+    def dynamo_flags(self) -> dict:
+        """Dynamo config the model is compiled under in tests: the mask dispatch keeps `nonzero` in the graph as
+        an eager island; the others use the default flags (the sort dispatch then graph-breaks)."""
+        return {"capture_dynamic_output_shape_ops": True} if self.dispatch == "mask" else {}
+
     def options(self, **overrides) -> dict:
         """Backend options for the "local with modules" config; overrides are merged in."""
         return {"cuda_graph_impl": "local", "cuda_graph_modules": list(self.cuda_graph_modules), **overrides}
