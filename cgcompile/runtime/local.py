@@ -45,7 +45,7 @@ from .. import _compat
 from ..counters import add as _count, record as _record
 from .driver import CaptureError, CapturedGraph, Driver, EagerDriver, get_driver
 
-__all__ = ["ModelRuntime", "compile_partition"]
+__all__ = ["ModelRuntime", "compile_partition", "is_static_tensor"]
 
 log = logging.getLogger("cgcompile")
 
@@ -55,6 +55,13 @@ _MISMATCH = object()  # match(): this graph was captured for other addresses/val
 
 _PROGRESS_AFTER_S = 2.0
 _EAGER = EagerDriver()
+
+
+def is_static_tensor(arg: Any) -> bool:
+    """A parameter or buffer seen at run time: nn.Parameter, or a tensor Dynamo marked static (it marks module
+    buffers too). Their addresses stay fixed between calls, so graphs read them in place."""
+    return isinstance(arg, torch.nn.Parameter) or (
+        isinstance(arg, torch.Tensor) and hasattr(arg, "_dynamo_static_input_type"))
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -670,9 +677,7 @@ class _Partition:
         found = set()
         args = self._args or ()
         for index, arg in enumerate(args):
-            if isinstance(arg, torch.Tensor) and (
-                    index in self.static_indices or isinstance(arg, torch.nn.Parameter)
-                    or hasattr(arg, "_dynamo_static_input_type")):
+            if is_static_tensor(arg) or (isinstance(arg, torch.Tensor) and index in self.static_indices):
                 found.add(_storage_ptr(arg))
         for tensor in list(self.submod.parameters()) + list(self.submod.buffers()):
             found.add(_storage_ptr(tensor))

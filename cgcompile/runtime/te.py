@@ -33,6 +33,7 @@ import torch.fx as fx
 from .. import counters
 from ..errors import ConfigError
 from ..partition import replace_submodule
+from .local import is_static_tensor
 
 log = logging.getLogger("cgcompile")
 
@@ -59,12 +60,6 @@ def resolve_graphing_fn(te_options: Dict[str, Any]) -> Tuple[Callable[..., Any],
     return (fn if fn is not None else _load_te_graphing_fn()), options
 
 
-def _is_static(arg: Any) -> bool:
-    """A parameter or buffer: nn.Parameter, or a tensor Dynamo marked static (it marks module buffers too)."""
-    return isinstance(arg, torch.nn.Parameter) or (
-        isinstance(arg, torch.Tensor) and hasattr(arg, "_dynamo_static_input_type"))
-
-
 def _static_key(args: Sequence[Any]) -> tuple:
     """Which parameters and buffers a frame call passes (by object).
 
@@ -73,7 +68,7 @@ def _static_key(args: Sequence[Any]) -> tuple:
     their sample tensor, which for a parameter is the parameter itself: a call with another layer's parameters
     would overwrite the graphed layer's. So a frame is graphed only when it has seen one parameter set.
     """
-    return tuple(id(a) for a in args if _is_static(a))
+    return tuple(id(a) for a in args if is_static_tensor(a))
 
 
 def _sample(arg: Any) -> Any:
@@ -84,7 +79,7 @@ def _sample(arg: Any) -> Any:
     copies its argument into the sample, and the graph reads and writes the sample. A parameter must be the
     sample so its grads land on it; a buffer too, or the graph's in-place updates (BatchNorm running stats)
     would go to a clone and the module's buffer would stop changing after graphing."""
-    if _is_static(arg) or not isinstance(arg, torch.Tensor):
+    if is_static_tensor(arg) or not isinstance(arg, torch.Tensor):
         return arg
     return arg.detach().clone().requires_grad_(arg.requires_grad)
 
@@ -185,5 +180,5 @@ def emulated_make_graphed_callables(callables: Sequence[Any], sample_args: Seque
     runtime = ModelRuntime(config, torch.device("cpu"))
     return tuple(
         compile_partition(fn, list(sample), name=f"te_callable_{i}", runtime=runtime,
-                          static_input_indices=[j for j, a in enumerate(sample) if isinstance(a, torch.nn.Parameter)])
+                          static_input_indices=[j for j, a in enumerate(sample) if is_static_tensor(a)])
         for i, (fn, sample) in enumerate(zip(callables, sample_args)))
