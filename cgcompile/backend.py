@@ -19,6 +19,7 @@ from .config import CudaGraphConfig, CudaGraphImpl, InferenceCudaGraphScope
 from .diagnostics import full_iteration_error, log_graph_plan
 from .errors import ConfigError
 from .logs import register_with_torch_logs
+from .padding import pad_dynamic_rows
 from .passes import is_static_placeholder, node_location
 from .runtime.local import ModelRuntime, compile_partition
 from .runtime.te import TEFrame, resolve_graphing_fn
@@ -58,6 +59,7 @@ def make_plan(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGra
     training = torch.is_grad_enabled()
     scope = scope_for(config, training)
     hoist_scalar_input_reads(gm)
+    pad_dynamic_rows(gm, config)
     return plan_graph(gm, config, index, training=training, device=device_of(example_inputs),
                       scope=scope or OFF_SCOPE, validate_tags=validate_tags)
 

@@ -30,6 +30,7 @@ __all__ = [
     "CudaGraphScope",
     "Driver",
     "InferenceCudaGraphScope",
+    "DynamicPadding",
     "InnerCompiler",
     "Migration",
 ]
@@ -110,6 +111,14 @@ class Driver(_StrEnum):
     CUDA = "cuda"
     EMULATE = "emulate"
     EAGER = "eager"
+
+
+class DynamicPadding(_StrEnum):
+    """How data-dependent row counts (nonzero, torch.where(mask), boolean masks) are made capturable."""
+
+    OFF = "off"
+    MAX = "max"
+    BUCKETS = "buckets"
 
 
 class InnerCompiler(_StrEnum):
@@ -205,6 +214,14 @@ class CudaGraphConfig:
         strict: a selected region (e.g. moe) holding a data-dependent op raises instead of staying eager.
         clone_outputs: copy outputs leaving the compiled frame so the next replay cannot overwrite them.
         verify: run eager beside replay for this many steps and report the max difference (>= 0).
+        dynamic_padding: off | max | buckets. ``max`` rewrites data-dependent index producers (nonzero,
+            torch.where(mask), argwhere, boolean-mask indexing) to their static upper bound (nonzero_static)
+            with a device-side count, so the rows they select can be captured without any host sync;
+            ``buckets`` keeps one host read of the count and pads to the next bucket (one graph per bucket).
+            Both are exact: padded rows are masked at the sum-like op that consumes them. Regions where that
+            cannot be proven stay eager with reason ``not_paddable``.
+        dynamic_padding_buckets: bucket sizes for ``buckets`` (positive, increasing); empty = powers of two.
+            Counts above the largest bucket pad to the static upper bound.
         te: keyword arguments passed through to Transformer Engine's make_graphed_callables (read-only;
             compared, not hashed).
         migrations: the deprecated spellings :meth:`from_options` rewrote (not compared, so a config
@@ -223,6 +240,8 @@ class CudaGraphConfig:
     strict: bool = False
     clone_outputs: bool = True
     verify: int = 0
+    dynamic_padding: DynamicPadding = DynamicPadding.OFF
+    dynamic_padding_buckets: tuple[int, ...] = ()
     te: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _ReadOnlyMapping({}), hash=False)
     migrations: tuple[Migration, ...] = dataclasses.field(default=(), compare=False)
 
@@ -245,9 +264,16 @@ class CudaGraphConfig:
             "strict": _parse_bool("strict", self.strict),
             "clone_outputs": _parse_bool("clone_outputs", self.clone_outputs),
             "verify": _parse_int("verify", self.verify, 0),
+            "dynamic_padding": _parse_enum("dynamic_padding", self.dynamic_padding, DynamicPadding),
+            "dynamic_padding_buckets": _parse_buckets(self.dynamic_padding_buckets),
             "te": _parse_te(self.te),
             "migrations": _parse_migrations(self.migrations),
         }
+        if normalized["dynamic_padding_buckets"] and normalized["dynamic_padding"] is not DynamicPadding.BUCKETS:
+            raise ConfigError(
+                f"dynamic_padding_buckets={list(normalized['dynamic_padding_buckets'])} only applies with "
+                f"dynamic_padding='buckets', got dynamic_padding={normalized['dynamic_padding'].value!r}; "
+                f"set dynamic_padding='buckets' or drop the buckets")
         for name, value in normalized.items():
             object.__setattr__(self, name, value)  # frozen: normalizing at construction is the one write
         if self.cuda_graph_warmup_steps == 0 and impl is not CudaGraphImpl.NONE:
@@ -599,6 +625,23 @@ def _parse_bool(option: str, value: Any) -> bool:
     if type(value) is int and value in (0, 1):
         return bool(value)
     raise ConfigError(f"{option} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def _parse_buckets(value: Any) -> tuple[int, ...]:
+    """Bucket sizes: a list/tuple (or comma-separated string) of positive integers, strictly increasing."""
+    if isinstance(value, str):
+        value = [item.strip() for item in value.split(",") if item.strip()]
+        try:
+            value = [int(item) for item in value]
+        except ValueError:
+            raise ConfigError(f"dynamic_padding_buckets must be positive integers, got {value!r}") from None
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"dynamic_padding_buckets must be a list of positive integers, got {value!r} "
+                          f"({type(value).__name__})")
+    sizes = tuple(_parse_int("dynamic_padding_buckets", item, 1) for item in value)
+    if any(b <= a for a, b in zip(sizes, sizes[1:])):
+        raise ConfigError(f"dynamic_padding_buckets must be strictly increasing, got {list(sizes)}")
+    return sizes
 
 
 def _parse_te(value: Any) -> Mapping[str, Any]:

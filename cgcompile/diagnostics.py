@@ -21,7 +21,8 @@ def describe_config(config) -> str:
     modules = ", ".join(str(getattr(m, "value", m)) for m in config.cuda_graph_modules) or "whole layer"
     return (f"cuda_graph_impl={config.cuda_graph_impl.value}, cuda_graph_modules=[{modules}], "
             f"inference_cuda_graph_scope={config.inference_cuda_graph_scope.value}, "
-            f"warmup={config.cuda_graph_warmup_steps}, driver={config.driver.value}")
+            f"warmup={config.cuda_graph_warmup_steps}, driver={config.driver.value}"
+            + (f", dynamic_padding={config.dynamic_padding.value}" if config.dynamic_padding.value != "off" else ""))
 
 
 def execution_note(graph: GraphPlan, config) -> str:
@@ -46,7 +47,19 @@ def summary_line(graph: GraphPlan, config) -> str:
             f"{captured_ops}/{total_ops} ops captured; {execution_note(graph, config)}")
 
 
+def padding_text(padding) -> str:
+    """'padded max: 4 producers, <= 16 rows' (the plan's padding summary, one line)."""
+    count = padding["producers"]
+    what = f"{count} producer{'s' if count > 1 else ''}, <= {max(padding['rows'])} rows"
+    if padding["mode"] == "buckets":
+        buckets = ",".join(map(str, padding["buckets"])) or "powers of two"
+        what += f", buckets {buckets}"
+    return f"padded {padding['mode']}: {what}"
+
+
 def _first_reason(partition) -> str:
+    if partition.captured and partition.padding:
+        return padding_text(partition.padding)
     if not partition.reasons:
         return "-"
     r = partition.reasons[0]

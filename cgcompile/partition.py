@@ -25,7 +25,7 @@ from torch.fx.passes.split_module import split_module
 from .config import CudaGraphConfig, CudaGraphImpl
 from .errors import ConfigError
 from .passes import Finding, RegionInfo, analyze, compute_nodes, module_regions, node_location
-from .passes.common import counts_as_op, node_module_path, op_name
+from .passes.common import PADDED, counts_as_op, node_module_path, op_name
 
 CAPTURE, EAGER = "capture", "eager"
 LAYER_SCOPE, BLOCK_SCOPE = "layer", "block"
@@ -43,6 +43,9 @@ class Partition:
     num_ops: int
     reasons: Tuple[Finding, ...]
     nodes: Tuple[str, ...] = field(repr=False)
+    # dynamic_padding applied to rows this partition works on: {"mode", "producers", "rows" (static bounds),
+    # "buckets" (buckets mode; [] = powers of two)}; None when nothing in it is padded
+    padding: Optional[dict] = None
 
     @property
     def tag(self) -> Optional[str]:
@@ -54,7 +57,7 @@ class Partition:
 
     def to_json(self) -> dict:
         return {"id": self.id, "kind": self.kind, "tag": self.tag, "tags": list(self.tags), "module": self.module,
-                "num_ops": self.num_ops, "reasons": [r.to_json() for r in self.reasons]}
+                "num_ops": self.num_ops, "reasons": [r.to_json() for r in self.reasons], "padding": self.padding}
 
 
 @dataclass
@@ -360,8 +363,24 @@ def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> Lis
                                        f"replay overhead would eat the gain")
                 reasons[(f.category, f.op, f.location)] = f
         partitions.append(Partition(pid, run.kind, tuple(tags), common_module([regions[n].module for n in run.nodes]),
-                                    num_ops, tuple(reasons.values()), tuple(n.name for n in run.nodes)))
+                                    num_ops, tuple(reasons.values()), tuple(n.name for n in run.nodes),
+                                    _padding_summary(run.nodes)))
     return partitions
+
+
+def _padding_summary(nodes: Sequence[fx.Node]) -> Optional[dict]:
+    """What dynamic_padding did to the rows these nodes work on (padding.py marks the nodes), as plain data."""
+    paddings: Dict[object, None] = {}
+    for node in nodes:
+        if PADDED in node.meta:
+            paddings.setdefault(node.meta[PADDED])
+    if not paddings:
+        return None
+    first = next(iter(paddings))
+    summary = {"mode": first.mode, "producers": len(paddings), "rows": [p.bound for p in paddings]}
+    if first.mode == "buckets":
+        summary["buckets"] = list(first.buckets)
+    return summary
 
 
 def _te_restriction(nodes: List[fx.Node]) -> Optional[Finding]:

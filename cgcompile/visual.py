@@ -12,7 +12,7 @@ import html
 import os
 from typing import List, Optional
 
-from .diagnostics import describe_config, summary_line
+from .diagnostics import describe_config, padding_text, summary_line
 from .partition import GraphPlan, Partition, Plan
 
 CAPTURED_COLOUR = "#2e7d32"
@@ -57,6 +57,8 @@ def partition_title(p: Partition) -> str:
     """The hover text: everything the plan knows about one partition, one fact per line."""
     lines = [f"partition {p.id}: {p.kind}", f"tags: {', '.join(p.tags) or '-'}", f"module: {p.module or '-'}",
              f"ops: {p.num_ops}"]
+    if p.padding:
+        lines.append(padding_text(p.padding))
     if p.reasons:
         lines.append("reasons:")
         lines.extend(f"  {reason_text(r)}" for r in p.reasons)

@@ -19,6 +19,7 @@ from cgcompile.config import (
     CudaGraphModule,
     CudaGraphScope,
     Driver,
+    DynamicPadding,
     InferenceCudaGraphScope,
     InnerCompiler,
     Migration,
@@ -475,6 +476,14 @@ def test_custom_module_names_must_be_identifiers(name):
         ({"cuda_graph_modules": ["attn", 3]}, ["cuda_graph_modules", "3", "strings"]),
         ({"cuda_graph_scope": 7}, ["cuda_graph_scope", "7", "comma-separated"]),
         ({1: "x"}, ["option names must be strings", "1"]),
+        ({"dynamic_padding": "maxx"}, ["dynamic_padding", "'maxx'", "did you mean 'max'", "'buckets'"]),
+        ({"dynamic_padding": "buckets", "dynamic_padding_buckets": [8, 4]},
+         ["dynamic_padding_buckets", "strictly increasing", "[8, 4]"]),
+        ({"dynamic_padding": "buckets", "dynamic_padding_buckets": [0, 4]}, ["dynamic_padding_buckets", ">= 1", "0"]),
+        ({"dynamic_padding": "buckets", "dynamic_padding_buckets": 8}, ["dynamic_padding_buckets", "list", "8"]),
+        ({"dynamic_padding": "buckets", "dynamic_padding_buckets": "4,x"}, ["dynamic_padding_buckets", "'x'"]),
+        ({"dynamic_padding_buckets": [4, 8]}, ["dynamic_padding_buckets=[4, 8]", "dynamic_padding='buckets'",
+                                               "dynamic_padding='off'"]),
     ],
 )
 def test_wrong_types_and_ranges_name_the_option(options, fragments):
@@ -517,6 +526,13 @@ def test_te_is_a_read_only_copy_compared_but_not_hashed():
     json.dumps(config.to_json_dict())  # the object value becomes its repr
 
 
+def test_dynamic_padding_options_normalize():
+    config = from_options({"dynamic_padding": "Buckets", "dynamic_padding_buckets": "16, 64,256"})
+    assert config.dynamic_padding is DynamicPadding.BUCKETS and config.dynamic_padding_buckets == (16, 64, 256)
+    assert from_options(config.to_options()) == config
+    assert from_options({}).dynamic_padding is DynamicPadding.OFF
+
+
 def test_to_options_round_trip_and_json():
     config = migrate({"cuda_graph_scope": "attn,mlp", "driver": "emulate", "te": {"fp8": True}, "verify": 2})
     options = config.to_options()
@@ -524,7 +540,7 @@ def test_to_options_round_trip_and_json():
         "cuda_graph_impl": "local", "cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": "layer",
         "cuda_graph_warmup_steps": 3, "inner_compiler": "eager", "driver": "emulate", "min_partition_ops": 2,
         "max_graphs_per_partition": 8, "strict_modules": False, "strict": False, "clone_outputs": True,
-        "verify": 2, "te": {"fp8": True},
+        "verify": 2, "te": {"fp8": True}, "dynamic_padding": "off", "dynamic_padding_buckets": [],
     }
     assert all(type(v) is str for v in options["cuda_graph_modules"])
     assert type(options["cuda_graph_impl"]) is str
@@ -616,6 +632,7 @@ def valid_options(draw):
         "strict": st.booleans(),
         "clone_outputs": st.booleans(),
         "verify": st.integers(0, 3),
+        "dynamic_padding": st.sampled_from(["off", "max", "MAX"]),
         "te": st.dictionaries(st.sampled_from(["fp8", "fp8_recipe", "num_warmup_iters"]),
                               st.one_of(st.booleans(), st.integers(), st.text(max_size=4))),
     }

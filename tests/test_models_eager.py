@@ -22,7 +22,7 @@ VOCAB = 64
 
 
 def test_registry():
-    assert set(MODELS) == {"dense_gpt", "moe_mask", "moe_sort", "mamba", "hf_style"}
+    assert set(MODELS) == {"dense_gpt", "moe_mask", "moe_sort", "mamba", "hf_style", "mixtral", "qwen_moe"}
     assert MODELS["dense_gpt"].cuda_graph_modules == ("attn", "mlp")
     assert MODELS["moe_mask"].cuda_graph_modules == ("attn", "moe_router", "moe_preprocess")
     assert MODELS["moe_sort"].cuda_graph_modules == ("attn", "moe_router", "moe_preprocess")

@@ -163,6 +163,28 @@ def is_scalar_input_read(node: fx.Node) -> bool:
     return bool(getattr(source.meta.get("grapharg"), "pass_arg_as_tensor", False))
 
 
+# Node meta written by cgcompile/padding.py (dynamic_padding) and read by the passes.
+NOT_PADDABLE = "cgcompile_not_paddable"  # a data-dependent producer left eager: the not_paddable Finding
+PADDABLE = "cgcompile_paddable"  # dynamic_padding="off": this producer could be padded exactly
+PADDED = "cgcompile_padding"  # a node made or changed by a padding rewrite: its padding.Padding
+
+
+def is_bucketed_producer(node: fx.Node) -> bool:
+    """dynamic_padding="buckets": the op that reads a row count on the host and pads it to a bucket."""
+    return getattr(node.target, "name", lambda: "")() == "cgcompile::nonzero_bucketed"
+
+
+def bucketed_symbols(gm: fx.GraphModule) -> set:
+    """Row counts of bucketed producers: known once their (eager) producer ran, so the partitions after it are
+    captured once per bucket, like backed sizes."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    symbols: set = set()
+    for node in compute_nodes(gm):
+        if is_bucketed_producer(node):
+            symbols |= set(free_unbacked_symbols(example_value(node)))
+    return symbols
+
+
 def scalar_input_symbols(gm: fx.GraphModule) -> set:
     """The symbols of the Python numbers read by `is_scalar_input_read` nodes: known on entry, like backed sizes."""
     from torch.fx.experimental.symbolic_shapes import free_symbols

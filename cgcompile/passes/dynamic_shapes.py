@@ -13,9 +13,12 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from .common import Finding, compute_nodes, example_value, finding, has_tag, is_scalar_input_read, scalar_input_symbols
+from .common import (NOT_PADDABLE, PADDABLE, Finding, bucketed_symbols, compute_nodes, example_value, finding, has_tag,
+                     is_bucketed_producer, is_scalar_input_read, scalar_input_symbols)
 
 _ORIGIN_HINT = "use a static-shape form (torch.nonzero_static, output_size=, or pad each group to a fixed capacity)"
+_PADDABLE_HINT = ("set dynamic_padding='max' (no host sync) or 'buckets' to capture the rows it selects; "
+                  "the padding is exact")
 
 
 def _unbacked(value, known: set) -> set:
@@ -35,9 +38,15 @@ def _input_symbols(node: fx.Node, known: set) -> set:
 def find_data_dependent_shapes(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
     found: Dict[fx.Node, List[Finding]] = {}
     origin_of: Dict[object, fx.Node] = {}  # unbacked symbol -> the node that created it
-    known = scalar_input_symbols(gm)  # Python numbers passed in: known on entry, like backed sizes
+    # Python numbers passed in and bucketed row counts: known when a partition starts, like backed sizes
+    known = scalar_input_symbols(gm) | bucketed_symbols(gm)
     for node in compute_nodes(gm):
-        if is_scalar_input_read(node):
+        if is_scalar_input_read(node) or is_bucketed_producer(node):
+            continue
+        if NOT_PADDABLE in node.meta:
+            found[node] = [node.meta[NOT_PADDABLE]]
+            for sym in _unbacked(example_value(node), known) - _input_symbols(node, known):
+                origin_of.setdefault(sym, node)
             continue
         out_symbols = _unbacked(example_value(node), known)
         in_symbols = _input_symbols(node, known)
@@ -46,7 +55,8 @@ def find_data_dependent_shapes(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding
             origin_of.setdefault(sym, node)
         if new_symbols or has_tag(node, torch.Tag.dynamic_output_shape):
             names = ", ".join(sorted(str(s) for s in new_symbols)) or "its output"
-            found[node] = [finding(node, "dynamic_shape", hint=_ORIGIN_HINT,
+            hint = _PADDABLE_HINT if node.meta.get(PADDABLE) else _ORIGIN_HINT
+            found[node] = [finding(node, "dynamic_shape", hint=hint,
                                    detail=f"output shape depends on tensor data ({names})")]
         elif out_symbols or in_symbols:
             sym = sorted(out_symbols | in_symbols, key=str)[0]

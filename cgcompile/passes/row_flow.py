@@ -263,7 +263,7 @@ class _Walker:
             if set(padded) <= reduced and len(padded) == 1:
                 self.flow.sinks.append(Sink(node, 0, padded[0]))
                 return
-        if name in ("setitem", "index_put_", "index_put", "index_copy_", "scatter_", "scatter"):
+        if name in ("setitem", "index_put_", "index_put", "index_copy_", "index_copy", "scatter_", "scatter"):
             return self.block(node, f"{name} overwrites rows at data-dependent positions",
                               "accumulate instead (index_add_ / index_put_(accumulate=True))")
         self.block(node, f"{name} combines the {self.sym} rows", _HINTS.get(name, "only a sum over the rows "
@@ -275,6 +275,8 @@ class _Walker:
         src = node.args[0] if node.args else None
         if name in _KEEP or base in _MOVE:
             return None
+        if name == "getattr" and len(node.args) > 1 and node.args[1] in ("T", "mT", "H", "mH"):
+            return None  # x.T: a transpose
         if name in ("expand", "expand_as"):
             return None if self._same_from_end(node, src) else f"{name} repeats rows into new positions"
         if _pointwise(base) or base in ("where", "masked_fill", "clamp", "addcmul", "lerp"):

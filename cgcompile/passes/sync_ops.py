@@ -9,7 +9,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from .common import Finding, compute_nodes, example_value, finding, has_tag, is_scalar_input_read
+from .common import (PADDED, Finding, compute_nodes, example_value, finding, has_tag, is_bucketed_producer,
+                     is_scalar_input_read)
 
 _SCALAR_METHODS = {
     "item": "keep the value on the device as a 0-d tensor (e.g. torch.where instead of a Python if)",
@@ -60,6 +61,14 @@ def find_host_syncs(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
     for node in compute_nodes(gm):
         if is_scalar_input_read(node):
             continue  # reported by scalar_inputs.py: a host number known on entry, not a device read
+        # the bucketed producer and the read of its row count (which binds the size symbol) stay together
+        producer = node.args[0] if node.target is torch.ops.aten.sym_size.int else node
+        if isinstance(producer, fx.Node) and is_bucketed_producer(producer):
+            found[node] = [finding(producer, "host_sync", op=producer.meta[PADDED].origin.split(" at ")[0],
+                                   hint="dynamic_padding='max' needs no host read at all",
+                                   detail="dynamic_padding='buckets' reads the selected row count on the host "
+                                          "once and pads it to the next bucket")]
+            continue
         name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
         if node.op == "call_method" and name in _SCALAR_METHODS:
             found[node] = [finding(node, "host_sync", hint=_SCALAR_METHODS[name],

@@ -22,7 +22,7 @@ import torch
 from .. import _compat
 
 __all__ = ["CaptureError", "CapturedGraph", "CudaDriver", "Driver", "EagerDriver", "EmulateDriver",
-           "get_driver", "is_capturing"]
+           "get_driver", "host_sync_reason", "is_capturing", "is_replaying"]
 
 Fn = Callable[[list], Sequence[Any]]
 
@@ -92,6 +92,26 @@ def _emulating():
         _state.emulating = previous
 
 
+def is_replaying() -> bool:
+    """True while the emulate driver replays a graph on this thread: the ops then running stand for one graph
+    launch on a GPU (host-op counts in benchmarks leave them out)."""
+    return getattr(_state, "replaying", False)
+
+
+REPLAY_RANGE = "cgcompile::graph_replay"  # profiler range around an emulated replay (see runtime/host_ops.py)
+
+
+@contextlib.contextmanager
+def _replaying():
+    previous = getattr(_state, "replaying", False)
+    _state.replaying = True
+    try:
+        with torch.profiler.record_function(REPLAY_RANGE):
+            yield
+    finally:
+        _state.replaying = previous
+
+
 _INDEX_PUT = (torch.ops.aten.index_put, torch.ops.aten.index_put_, torch.ops.aten._index_put_impl_)
 
 
@@ -100,7 +120,7 @@ def _has_mask(indices: Any) -> bool:
         isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
 
 
-def _host_sync_reason(func: Any, args: Sequence[Any], kwargs: dict, on_cuda: bool) -> Optional[str]:
+def host_sync_reason(func: Any, args: Sequence[Any], kwargs: dict, on_cuda: bool) -> Optional[str]:
     """Why running `func` would make the host wait for the device, or None. Cheap checks on op tags."""
     tags = getattr(func, "tags", ())
     name = str(func)
@@ -144,7 +164,7 @@ class _HostSyncGuard(_compat.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        reason = _host_sync_reason(func, args, kwargs, self.on_cuda)
+        reason = host_sync_reason(func, args, kwargs, self.on_cuda)
         if reason is not None:
             raise CaptureError(f"{reason}: {_SYNC_MESSAGE}")
         return func(*args, **kwargs)
@@ -205,7 +225,7 @@ class _EmulatedGraph(CapturedGraph):
         self.fn = fn
 
     def replay(self) -> List[Any]:
-        with torch.no_grad():
+        with torch.no_grad(), _replaying():
             fresh = self.fn(list(self.static_inputs))
             for static, new in zip(self.static_outputs, fresh):
                 if not isinstance(static, torch.Tensor) or new is static:

@@ -18,7 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import _compat, counters
 from ..errors import ConfigError
-from .driver import Driver, _host_sync_reason, get_driver
+from .driver import Driver, get_driver, host_sync_reason
 
 log = logging.getLogger("cgcompile")
 
@@ -46,7 +46,7 @@ class _StepChecker(_compat.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        reason = _host_sync_reason(func, args, kwargs, self.on_cuda)
+        reason = host_sync_reason(func, args, kwargs, self.on_cuda)
         if reason is not None:
             self.problems.setdefault((_user_location(), reason))
         return func(*args, **kwargs)

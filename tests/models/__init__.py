@@ -20,10 +20,10 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-from . import dense_gpt, hf_style, mamba, moe
+from . import dense_gpt, hf_style, mamba, mixtral, moe
 from ._common import MAX_SEQ, VOCAB
 
-__all__ = ["MODELS", "ModelSpec", "VOCAB", "MAX_SEQ", "dense_gpt", "moe", "mamba", "hf_style"]
+__all__ = ["MODELS", "ModelSpec", "VOCAB", "MAX_SEQ", "dense_gpt", "moe", "mamba", "hf_style", "mixtral"]
 
 
 def _identity(model: nn.Module) -> nn.Module:
@@ -40,7 +40,8 @@ class ModelSpec:
     loss(model, tokens) -> scalar next-token cross entropy.
     cuda_graph_modules: the recommended modules for the "local with modules" config.
     prepare(model) -> model: instance tagging needed before compile (tag_modules for hf_style; identity otherwise).
-    dispatch: "mask" / "sort" for the MoE variants, else None.
+    dispatch: "mask" / "sort" for the MoE variants ("mask": index producers such as nonzero / torch.where(mask)
+    stay in the graph), else None.
     """
 
     name: str
@@ -79,4 +80,7 @@ MODELS: dict[str, ModelSpec] = {
                       build=functools.partial(moe.build, dispatch="sort"), dispatch="sort"),
     "mamba": _spec("mamba", mamba, ["mamba"]),
     "hf_style": _spec("hf_style", hf_style, ["attn", "mlp"], prepare=hf_style.prepare),
+    "mixtral": _spec("mixtral", mixtral, ["attn", "moe_router"], prepare=mixtral.prepare, dispatch="mask"),
+    "qwen_moe": _spec("qwen_moe", mixtral, ["attn", "moe_router"], prepare=mixtral.prepare, dispatch="mask",
+                      build=functools.partial(mixtral.build, shared_expert=True)),
 }

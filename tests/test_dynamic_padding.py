@@ -1,0 +1,213 @@
+"""dynamic_padding: the MoE expert loop captured exactly ("max": no sync; "buckets": one graph per bucket)."""
+
+import copy
+import linecache
+
+import pytest
+import torch
+import torch.nn.functional as F
+from expecttest import assert_expected_inline
+
+import cgcompile
+from cgcompile import reset_stats, stats
+from cgcompile.backend import record_plans
+from cgcompile.padding import bucket_for
+from cgcompile.passes.row_flow import row_flow
+from cgcompile.runtime.host_ops import HostOpCounter
+from tests.models import MODELS, mixtral
+
+PADDED_MODELS = ["moe_mask", "mixtral", "qwen_moe"]
+STEPS = 6
+
+
+def _line_of(path, marker):
+    return next(i for i, text in enumerate(linecache.getlines(path), 1) if marker in text)
+
+
+def _options(mode, **extra):
+    return {"cuda_graph_impl": "local", "driver": "emulate", "dynamic_padding": mode, "cuda_graph_warmup_steps": 1,
+            **extra}
+
+
+def _train_like_eager(spec, model, compiled, reference, steps=STEPS, accumulate=1):
+    """New tokens every step; SGD-with-momentum steps on both (linear in the gradients, so float32 rounding in
+    the padded sums stays rounding; Adam would blow a 1e-10 gradient difference up to a full step); losses,
+    every gradient and the parameters must match."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        for micro in range(accumulate):
+            (tokens,) = spec.example_inputs(seed=100 * step + micro)
+            loss, ref = spec.loss(compiled, tokens), spec.loss(reference, tokens)
+            torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+            loss.backward()
+            ref.backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["max", "buckets"])
+@pytest.mark.parametrize("name", PADDED_MODELS)
+def test_padded_experts_are_captured_and_train_like_eager(name, mode):
+    spec = MODELS[name]
+    model = spec.make()
+    reference = copy.deepcopy(model)
+    with torch._dynamo.config.patch(spec.dynamo_flags()), record_plans() as rec:
+        compiled = torch.compile(model, backend="cudagraph_modules", options=_options(mode))
+        reset_stats()
+        _train_like_eager(spec, model, compiled, reference)
+    (graph,) = [g for g in rec.graphs if g.training][:1]
+    padded = [p for p in graph.partitions if p.captured and p.padding]
+    assert padded and all(p.padding["mode"] == mode for p in padded)
+    assert sum(p.padding["producers"] for p in padded) == 2 * 4  # 2 layers x 4 experts
+    eager_reasons = {r.category for p in graph.partitions if not p.captured for r in p.reasons}
+    assert "dynamic_shape" not in eager_reasons
+    if mode == "max":  # no host read left: everything but the tiny embedding lookup is captured
+        assert eager_reasons <= {"too_small"}
+    else:  # only the bucketed count reads stay eager, one per expert
+        assert eager_reasons <= {"too_small", "host_sync"}
+    assert stats()["replays"] > 0 and not stats()["eager_fallbacks"]
+
+
+def test_grad_accumulation_and_train_eval_switch_with_max():
+    spec = MODELS["mixtral"]
+    model = spec.make()
+    reference = copy.deepcopy(model)
+    with torch._dynamo.config.patch(spec.dynamo_flags()):
+        compiled = torch.compile(model, backend="cudagraph_modules", options=_options("max"))
+        _train_like_eager(spec, model, compiled, reference, steps=3, accumulate=2)  # fwd, bwd, fwd, bwd
+        (tokens,) = spec.example_inputs(seed=7)
+        first, second = compiled(tokens), compiled(spec.example_inputs(seed=8)[0])  # fwd, fwd, then both bwd
+        (first.sum() + second.sum()).backward()
+        (reference(tokens).sum() + reference(spec.example_inputs(seed=8)[0]).sum()).backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+        model.eval(), reference.eval()
+        with torch.no_grad():
+            for seed in range(3):
+                (tokens,) = spec.example_inputs(seed=50 + seed)
+                torch.testing.assert_close(compiled(tokens), reference(tokens), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen_moe"])
+def test_rows_mixed_by_a_mean_stay_eager_with_not_paddable(name):
+    spec = MODELS[name]
+    model = spec.prepare(mixtral.build(shared_expert=name == "qwen_moe", row_mixing=True))
+    reference = copy.deepcopy(model)
+    (tokens,) = spec.example_inputs()
+    with torch._dynamo.config.patch(spec.dynamo_flags()):
+        plan = cgcompile.explain(model, tokens, options=_options("max"))
+        compiled = torch.compile(model, backend="cudagraph_modules", options=_options("max"))
+        _train_like_eager(spec, model, compiled, reference, steps=2)
+    reasons = [r for g in plan.graphs for p in g.partitions if not p.captured for r in p.reasons
+               if r.category == "not_paddable"]
+    assert len(reasons) == 2  # one eager island per layer (its 4 experts share the reason's line)
+    where = _line_of(mixtral.__file__, "# MIXTRAL: where")
+    mean = _line_of(mixtral.__file__, "# MIXTRAL: mean")
+    first = reasons[0]
+    assert (first.op, first.location) == ("Tensor.mean", f"{mixtral.__file__}:{mean}")
+    assert first.detail.startswith(f"torch.where at {mixtral.__file__}:{where} stays eager: mean combines the")
+    assert "sum the rows (masked)" in first.hint
+    assert not any(p.padding for g in plan.graphs for p in g.partitions if p.captured)
+
+
+def test_full_iteration_with_max_captures_the_moe_step_whole():
+    spec = MODELS["moe_mask"]
+    model = spec.make()
+    reference = copy.deepcopy(model)
+    options = _options("max", cuda_graph_impl="full_iteration")
+    (tokens,) = spec.example_inputs()
+    with torch._dynamo.config.patch(spec.dynamo_flags()):
+        plan = cgcompile.explain(model, tokens, options=options)
+        assert [p.kind for g in plan.graphs for p in g.partitions] == ["capture"]
+        compiled = torch.compile(model, backend="cudagraph_modules", options=options)
+        reset_stats()
+        _train_like_eager(spec, model, compiled, reference, steps=4)
+    assert stats()["graphs_captured"] == 2  # one forward graph, one backward graph
+
+
+def test_off_mode_says_padding_would_capture_the_island():
+    spec = MODELS["moe_mask"]
+    (tokens,) = spec.example_inputs()
+    with torch._dynamo.config.patch(spec.dynamo_flags()):
+        plan = cgcompile.explain(spec.make(num_layers=1), tokens, options=_options("off"))
+    origin = next(r for g in plan.graphs for p in g.partitions for r in p.reasons if r.op == "torch.nonzero")
+    assert_expected_inline(origin.hint, """set dynamic_padding='max' (no host sync) or 'buckets' to capture the rows it selects; the padding is exact""")
+
+
+def test_plan_table_shows_padded_partitions():
+    spec = MODELS["moe_mask"]
+    (tokens,) = spec.example_inputs()
+    with torch._dynamo.config.patch(spec.dynamo_flags()):
+        table = str(cgcompile.explain(spec.make(num_layers=1), tokens,
+                                      options=_options("buckets", dynamic_padding_buckets=[4, 8])))
+    assert_expected_inline("\n".join(table.splitlines()[2:6]), """\
+id  kind     tags                                module        ops  first reason
+ 0  eager    -                                   embed           1  too_small: F.embedding at moe.py:194
+ 1  capture  attn+moe+moe_router+moe_preprocess  layers.0       38  -
+ 2  eager    moe                                 layers.0.moe    2  host_sync: torch.nonzero at moe.py:148""")
+    assert "padded buckets: 1 producer, <= 16 rows, buckets 4,8" in table
+
+
+def test_padding_cuts_host_ops_and_syncs():
+    """The CPU proxy for launch overhead: kernel ops run outside graphs, and host reads of device data."""
+    spec = MODELS["moe_mask"]
+    counts = {}
+    for mode in ("eager", "max"):
+        torch._dynamo.reset()
+        model = spec.make()
+        with torch._dynamo.config.patch(spec.dynamo_flags()):
+            run = model if mode == "eager" else torch.compile(model, backend="cudagraph_modules",
+                                                               options=_options(mode))
+            for seed in range(3):
+                spec.loss(run, spec.example_inputs(seed=seed)[0]).backward()
+            with HostOpCounter() as counter:
+                spec.loss(run, spec.example_inputs(seed=9)[0]).backward()
+        counts[mode] = counter
+    assert counts["eager"].syncs == 2 * 4 and counts["max"].syncs == 0
+    assert counts["max"].ops * 5 < counts["eager"].ops
+    assert counts["max"].replays > 0
+
+
+def test_bucket_for_rounds_up_within_the_bound():
+    assert [bucket_for(n, 16, ()) for n in (0, 1, 3, 5, 9, 16)] == [1, 1, 4, 8, 16, 16]
+    assert [bucket_for(n, 12, (4, 8)) for n in (0, 4, 5, 9)] == [4, 4, 8, 12]
+
+
+def _flow(fn, *inputs):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+    (gm,) = graphs
+    origin = next(n for n in gm.graph.nodes if "nonzero" in str(n.target))
+    (sym,) = origin.meta["example_value"].shape[0].node.expr.free_symbols
+    return row_flow(gm, sym, allow_sinks=True)
+
+
+@pytest.mark.parametrize("body, blocker", [
+    (lambda x, rows: torch.zeros_like(x).index_add_(0, rows, F.silu(x[rows] @ x.T @ x)), None),
+    (lambda x, rows: x[rows].sum(0), None),
+    (lambda x, rows: torch.zeros_like(x).index_add_(0, rows, torch.softmax(x[rows], 0)), "softmax works across"),
+    (lambda x, rows: torch.zeros_like(x).index_add_(0, rows, x[rows] / rows.shape[0]), "as a Python number"),
+    (lambda x, rows: x[rows], "the compiled frame returns"),
+    (lambda x, rows: x[rows].reshape(-1).sum(), "merges the"),
+    (lambda x, rows: x[rows].T.reshape(x.shape[1], -1).sum(1), None),  # (3, u0) -> (3, u0): rows stay whole
+    (lambda x, rows: x[rows].reshape(x.shape[1], -1).sum(1), "moves rows into other rows"),
+    (lambda x, rows: x[rows][:2].sum(0), "merges the"),
+    (lambda x, rows: x.index_copy(0, rows, x[rows]), "overwrites rows"),
+])
+def test_row_flow_tells_rowwise_from_row_mixing(body, blocker):
+    flow = _flow(lambda x: body(x, torch.nonzero(x[:, 0] > 0).squeeze(-1)), torch.randn(6, 3))
+    if blocker is None:
+        assert flow.ok and flow.sinks
+    else:
+        assert not flow.ok and blocker in flow.blocker.detail, flow.blocker
