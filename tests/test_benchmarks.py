@@ -96,3 +96,7 @@ def test_bench_cpu_quick_table():
         assert verdict == ("PASS" if ratio <= goal else "MISS")
     assert "driver=auto" in rows[0] and "driver=emulate" in rows[1]
     assert "aot_eager" in rows[0] and "eager backend" in rows[2]
+    padding = {line.split()[0]: line.split() for line in out.split("dynamic_padding (d)")[1].splitlines()[2:6]}
+    assert list(padding) == ["eager", "off", "max", "buckets"]
+    assert float(padding["max"][5]) == 0.0  # host syncs per step with dynamic_padding="max"
+    assert float(padding["max"][1]) < float(padding["eager"][1]) / 4  # kernel ops outside graphs
