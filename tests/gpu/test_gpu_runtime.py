@@ -68,6 +68,26 @@ def test_driver_rejects_host_sync_before_capturing():
     torch.randn(4, device=DEV).sum().item()  # the device is still usable
 
 
+def test_failed_capture_leaves_nothing_behind_and_the_next_captures_succeed():
+    """A sync *inside* the capture (warmup=False skips the guard): torch's capture_end raises before it ends
+    the allocators' recording to the pool. Afterwards: no capture open, the caller's stream current, the same
+    pool token and a fresh pool both capture, and the device allocator routes nothing to a dead pool."""
+    driver = CudaDriver(torch.device(DEV))
+    pool = driver.new_pool()
+    x = torch.randn(4, device=DEV)
+    before = torch.cuda.current_stream()
+    with pytest.raises(CaptureError):
+        driver.capture(lambda a: [a[0] * a[0].sum().item()], [x], pool, warmup=False)
+    assert not torch.cuda.is_current_stream_capturing()
+    assert torch.cuda.current_stream() == before
+    same = driver.capture(lambda a: [a[0] + 1], [x], pool)
+    other = driver.capture(lambda a: [a[0] + 2], [x], driver.new_pool())
+    close(same.replay()[0], x + 1)
+    close(other.replay()[0], x + 2)
+    torch.cuda.synchronize()
+    assert torch.ones(4, device=DEV).sum().item() == 4.0  # the device is still usable
+
+
 def test_training_steps_match_eager_and_replay(runtimes):  # noqa: F811
     ref, model = twins()
     cmodel = compiled(model, driver="cuda")
