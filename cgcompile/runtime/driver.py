@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from .. import _compat
 
 __all__ = ["CaptureError", "CapturedGraph", "CudaDriver", "Driver", "EagerDriver", "EmulateDriver",
-           "get_driver", "is_capturing"]
+           "get_driver", "is_capturing", "release_cuda_graphs"]
 
 Fn = Callable[[list], Sequence[Any]]
 
@@ -324,10 +325,28 @@ class _CudaGraph(CapturedGraph):
                  pool_bytes: int):
         super().__init__(static_inputs, static_outputs, pool_bytes)
         self.graph = graph
+        _LIVE.add(self)
 
     def replay(self) -> List[Any]:
+        if self.graph is None:
+            raise CaptureError("this CUDA graph was released (cgcompile.release() or torch._dynamo.reset())")
         self.graph.replay()  # on the current stream, after the runtime's input copies
         return self.static_outputs
+
+    def release(self) -> None:
+        """Destroy the CUDA graph now (CUDAGraph.reset, public in 2.11 and 2.13), whoever still holds us."""
+        if self.graph is not None:
+            self.graph.reset()
+            self.graph = None
+
+
+_LIVE: "weakref.WeakSet[_CudaGraph]" = weakref.WeakSet()
+
+
+def release_cuda_graphs() -> None:
+    """Destroy every CUDA graph this process captured through the CUDA driver that is still alive."""
+    for graph in list(_LIVE):
+        graph.release()
 
 
 class CudaDriver(Driver):

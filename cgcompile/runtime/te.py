@@ -34,6 +34,7 @@ from .. import counters
 from ..errors import ConfigError
 from ..partition import replace_submodule
 from .local import is_static_tensor
+from .release import register
 
 log = logging.getLogger("cgcompile")
 
@@ -116,14 +117,19 @@ class TEFrame:
         self.graphing_fn = graphing_fn
         self.te_options = te_options
         self.warmup_steps = max(1, warmup_steps)
-        self.calls = 0
-        self.graphed = False
-        # Parameter sets seen (see _static_key); the one graphed, once graphing succeeded.
+        # calls, graphed, and the parameter sets seen (see _static_key) and graphed: set by release()
+        self.calls, self.graphed, self.graphed_key = 0, False, None
         self.static_keys: set = set()
-        self.graphed_key: Optional[tuple] = None
         self.recorders = [_Recorder(getattr(split_gm, name)) for name in self.names]
+        self.release()
+        register(self)
+
+    def release(self) -> None:
+        """Un-graph (cgcompile.release()): the recorders run again, and the frame graphs anew after warmup."""
         for name, recorder in zip(self.names, self.recorders):
-            replace_submodule(split_gm, name, recorder)
+            replace_submodule(self.split_gm, name, recorder)
+        self.calls, self.graphed, self.graphed_key = 0, False, None
+        self.static_keys = set()
 
     def __call__(self, *args: Any) -> Any:
         key = _static_key(args)
