@@ -128,7 +128,7 @@ def build_variant(name: str, workload: Workload, driver: str) -> Callable:
 
 def error_line(exc: BaseException) -> str:
     """The first line of the innermost meaningful error (Dynamo wraps backend errors in BackendCompilerFailed,
-    whose own first line is only "backend=... raised:")."""
+    whose own first line is only "backend=... raised:"), whole."""
     inner = exc
     while getattr(inner, "inner_exception", None) is not None:
         inner = inner.inner_exception
@@ -138,7 +138,7 @@ def error_line(exc: BaseException) -> str:
     text = lines[0] if lines else ""
     if text.endswith(":") and len(lines) > 1:  # "...cannot be captured:" is followed by the op that says why
         text = f"{text} {lines[1]}"
-    return f"{type(inner).__name__}: {text}"[:200]
+    return f"{type(inner).__name__}: {text}"  # never cut: the reason may follow a long checkout path
 
 
 class Clock:

@@ -8,12 +8,13 @@ from .config import CudaGraphConfig, CudaGraphImpl, CudaGraphModule, CudaGraphSc
 from .errors import ConfigError
 from .explain import explain
 from .partition import Plan
+from .runtime.release import release
 from .runtime.whole_step import capture_step
 from .tagging import eager_region, tag, tag_modules, tag_of, untag
 from .counters import reset_stats, stats
 
 __all__ = [
     "ConfigError", "CudaGraphConfig", "Plan", "explain", "CudaGraphImpl", "CudaGraphModule", "CudaGraphScope",
-    "InferenceCudaGraphScope", "capture_step", "eager_region", "reset_stats", "stats", "tag", "tag_modules",
-    "tag_of", "untag",
+    "InferenceCudaGraphScope", "capture_step", "eager_region", "release", "reset_stats", "stats", "tag",
+    "tag_modules", "tag_of", "untag",
 ]

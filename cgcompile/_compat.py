@@ -10,8 +10,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["TorchDispatchMode", "aot_compile", "boxed", "cuda_end_allocate_to_pool", "storage_key",
-           "storage_use_count", "tree_flatten", "tree_unflatten"]
+__all__ = ["TorchDispatchMode", "aot_compile", "boxed", "cuda_end_allocate_to_pool", "cuda_release_pool",
+           "storage_key", "storage_use_count", "tree_flatten", "tree_unflatten"]
 
 # torch.utils._pytree: the pytree helpers torch.compile itself uses; private module, stable API; checked 2.11, 2.13.
 from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: E402
@@ -96,15 +96,30 @@ def storage_use_count(sid: int) -> int:
     return torch._C._storage_Use_Count(sid)
 
 
-def cuda_end_allocate_to_pool(device: torch.device, pool: Any) -> None:
-    """After a failed capture, stop routing allocations to the graph's pool.
+def cuda_end_allocate_to_pool(device: torch.device, pool: Any) -> bool:
+    """After a failed capture, stop routing allocations to the graph's pool; True if a recording was ended.
 
     CUDAGraph::capture_end (aten/src/ATen/cuda/CUDAGraph.cpp, 2.11/2.13) raises on cudaStreamEndCapture's
-    error *before* calling endAllocateToPool, leaving the pool marked as capturing. torch._C._cuda_endAllocateToPool
-    (torch/cuda/memory.py uses it) ends that; best effort, never raises.
+    error *before* calling endAllocateToPool, leaving the pool marked as capturing.
+    torch._C._cuda_endAllocateToPool (torch/cuda/memory.py and _inductor/cudagraph_trees.py use it) ends that;
+    it raises when the pool is not recording (capture_end did end it), which we report as False.
     """
     try:
-        torch._C._cuda_endAllocateToPool(device.index if device.index is not None else torch.cuda.current_device(),
-                                         tuple(pool))
+        torch._C._cuda_endAllocateToPool(_index(device), tuple(pool))
+        return True
+    except Exception:
+        return False
+
+
+def cuda_release_pool(device: torch.device, pool: Any) -> None:
+    """Drop the reference CUDAGraph::capture_begin took on the pool (beginAllocateToPool increfs it; only the
+    graph's reset() would release it, and a graph whose capture failed never does): torch._C._cuda_releasePool,
+    paired with _cuda_endAllocateToPool the same way in torch/cuda/memory.py (checked 2.11, 2.13). Best effort."""
+    try:
+        torch._C._cuda_releasePool(_index(device), tuple(pool))
     except Exception:
         pass
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()

@@ -22,6 +22,7 @@ from .logs import register_with_torch_logs
 from .padding import pad_dynamic_rows
 from .passes import is_static_placeholder, node_location
 from .runtime.local import ModelRuntime, compile_partition
+from .runtime.release import release
 from .runtime.te import TEFrame, resolve_graphing_fn
 from .runtime.verify import VerifiedPartition
 from .partition import (BLOCK_SCOPE, LAYER_SCOPE, OFF_SCOPE, GraphPlan, hoist_scalar_input_reads, plan_graph,
@@ -159,6 +160,11 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
 
     run.runtime = runtime  # type: ignore[attr-defined]  # for tests and tools
     return run
+
+
+# torch.compile wraps the backend in torch._TorchCompileWrapper, whose reset() (called by torch._dynamo.reset(),
+# 2.11 and 2.13: eval_frame._reset_guarded_backend_cache) calls the backend's own `reset` when it has one.
+cudagraph_modules.reset = release  # type: ignore[attr-defined]
 
 
 def _first_location(submod: fx.GraphModule) -> Optional[str]:

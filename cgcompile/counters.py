@@ -29,9 +29,13 @@ _state = _zero()
 
 
 def stats() -> Dict[str, Any]:
-    """A snapshot of the counters since the last reset_stats()."""
+    """A snapshot of the counters since the last reset_stats(), plus `graphs`: one entry per captured graph
+    alive now (partition, kind, pool_bytes, static_input_bytes, static_output_bytes); see runtime/release.py."""
+    from .runtime.release import graph_memory
     with _lock:
-        return copy.deepcopy(_state)
+        snapshot = copy.deepcopy(_state)
+    snapshot["graphs"] = graph_memory()
+    return snapshot
 
 
 def reset_stats() -> None:

@@ -126,7 +126,8 @@ def full_iteration_error(graph: GraphPlan) -> str:
              f"{len(causes)} op(s) that cannot be captured:"]
     for r in causes:
         where = f" in {r.module}" if r.module else ""
-        lines.append(f"  {r.location or '?'}: {r.category} {r.op}{where}" + (f" -- {r.hint}" if r.hint else ""))
+        # category and op first: a reader (or a tool) that cuts the line keeps the reason, whatever the path
+        lines.append(f"  {r.category} {r.op} at {r.location or '?'}{where}" + (f" -- {r.hint}" if r.hint else ""))
     if downstream:
         lines.append(f"  (and {downstream} op(s) whose shapes depend on their results)")
     lines.append("Fix them, or use cuda_graph_impl='local' to capture around them.")

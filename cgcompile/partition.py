@@ -215,14 +215,15 @@ def plan_graph(gm: fx.GraphModule, config: CudaGraphConfig, index: int = 0, *, t
     elif selected:
         runs = _selected_runs(nodes, regions, blocking, selected, config)
     else:
-        runs = _span_runs(nodes, regions, blocking, cut_layers=scope == LAYER_SCOPE)
+        runs = _span_runs(nodes, regions, blocking, cut_layers=scope == LAYER_SCOPE,
+                          min_ops=config.min_partition_ops)
 
     partitions = _finish(runs, regions, blocking, selected, config, scope)
     all_findings = {n.name: tuple(findings.get(n, ())) for n in nodes if n in findings}
     return GraphPlan(index, partitions, scope, device, training, all_findings)
 
 
-def _span_runs(nodes, regions, blocking, *, cut_layers: bool) -> List[_Run]:
+def _span_runs(nodes, regions, blocking, *, cut_layers: bool, min_ops: int) -> List[_Run]:
     runs: List[_Run] = []
     for node in nodes:
         kind = EAGER if node in blocking else CAPTURE
@@ -232,7 +233,22 @@ def _span_runs(nodes, regions, blocking, *, cut_layers: bool) -> List[_Run]:
             runs[-1].nodes.append(node)
         else:
             runs.append(_Run(kind, key, layer, [node]))
-    return runs
+    # The layer cut is a heuristic (one graph per layer): it must not leave capture-safe work eager. A captured
+    # run below min_ops joins its captured neighbour across the cut (nn.Sequential's children are "layers" of
+    # one op each) before _finish applies the size rule.
+    merged: List[_Run] = []
+    for run in runs:
+        last = merged[-1] if merged else None
+        if last is not None and last.kind == run.kind == CAPTURE and min(_ops(last), _ops(run)) < min_ops:
+            last.nodes.extend(run.nodes)
+            last.key = last.layer = common_module([last.layer, run.layer])
+        else:
+            merged.append(run)
+    return merged
+
+
+def _ops(run: _Run) -> int:
+    return sum(counts_as_op(n) for n in run.nodes)
 
 
 def _selected_runs(nodes, regions, blocking, selected, config) -> List[_Run]:
@@ -308,8 +324,7 @@ def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> Lis
     """Apply min_partition_ops, coalesce eager neighbours, and attach tags, module paths and reasons."""
     whole_frame = config.cuda_graph_impl == CudaGraphImpl.FULL_ITERATION  # one graph, however small
     for run in runs:
-        if run.kind == CAPTURE and not whole_frame \
-                and sum(counts_as_op(n) for n in run.nodes) < config.min_partition_ops:
+        if run.kind == CAPTURE and not whole_frame and _ops(run) < config.min_partition_ops:
             run.kind = EAGER
             run.key = "small"
     te_reasons: Dict[int, Finding] = {}

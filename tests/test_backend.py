@@ -128,3 +128,23 @@ def test_graph_runs_unsplit_when_nothing_would_be_captured(monkeypatch):
         compiled = torch.compile(model, backend="cudagraph_modules", options=spec.options(driver=driver))
         torch.testing.assert_close(compiled(tokens), model(tokens), rtol=0, atol=0)
         assert len(calls) == expected_splits, driver
+
+
+def test_new_users_sequential_captures_one_partition_and_trains_like_eager():
+    """The README's first try: an untagged nn.Sequential, whole-layer mode. Each child is its own 1-op "layer";
+    they must merge into one captured partition instead of three too-small eager ones."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 6))
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="cudagraph_modules",
+                             options={"cuda_graph_impl": "local", "driver": "emulate"})
+    cgcompile.reset_stats()
+    for step in range(5):
+        x = torch.randn(3, 6)
+        out, expected = compiled(x), reference(x)
+        torch.testing.assert_close(out, expected)
+        out.sum().backward(), expected.sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    s = cgcompile.stats()
+    assert s["graphs_captured"] == 2 and s["eager_fallbacks"] == []  # one partition: forward + backward

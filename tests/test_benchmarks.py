@@ -67,6 +67,15 @@ def test_error_line_unwraps_backend_failures():
         "RuntimeError: cannot be captured: nonzero at m.py:3"
 
 
+def test_error_line_keeps_the_reason_after_a_long_path():
+    """The checkout path is the user's: a line is never cut, so the op after it survives any path length."""
+    bench = load_bench_gpu()
+    path = "/" + "/".join(["a-rather-long-directory-name"] * 20) + "/tests/models/moe.py"
+    err = RuntimeError(f"cannot be captured:\n  dynamic_shape torch.nonzero at {path}:148 in layers.0.moe -- hint\n")
+    line = bench.error_line(err)
+    assert line == f"RuntimeError: cannot be captured: dynamic_shape torch.nonzero at {path}:148 in layers.0.moe -- hint"
+
+
 def test_goal_rows_verdicts():
     bench = load_bench_gpu()
     R = bench.Result

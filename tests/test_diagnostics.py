@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import cgcompile
-from cgcompile.diagnostics import log_graph_plan
+from cgcompile.diagnostics import full_iteration_error, log_graph_plan
 
 
 @cgcompile.tag("attn")
@@ -99,6 +99,14 @@ Dynamo graph breaks (1), each runs in Python between graphs:
         self.assertIn("nonzero_static", first["hint"])
         (brk,) = data["graph_breaks"]
         self.assertEqual(brk["location"], f"{os.path.abspath(__file__)}:{Net.forward.__code__.co_firstlineno + 2}")
+
+    def test_full_iteration_error_names_the_reason_before_the_path(self):
+        text = full_iteration_error(make_plan().graphs[0]).replace(os.path.abspath(__file__), "<file>")
+        self.assertExpectedInline(text, """\
+cuda_graph_impl='full_iteration' needs the whole step in one graph, but graph 0 has 1 op(s) that cannot be captured:
+  dynamic_shape torch.nonzero at <file>:34 in layers.0.moe -- use a static-shape form (torch.nonzero_static, output_size=, or pad each group to a fixed capacity)
+  (and 8 op(s) whose shapes depend on their results)
+Fix them, or use cuda_graph_impl='local' to capture around them.""")
 
     def test_log_lines(self):
         plan = make_plan()

@@ -94,9 +94,31 @@ def test_unselected_tag_stays_eager_with_reason():
 
 def test_whole_layer_captures_every_capture_safe_span_cut_at_layers():
     (graph,) = plan(Net(), {"cuda_graph_modules": []}).graphs
-    assert summary(graph) == [("capture", "attn+mlp", "layers.0"), ("capture", "attn+mlp", "layers.1"),
-                              ("eager", "", "head")]  # one linear: below min_partition_ops=2
-    assert graph.partitions[2].reasons[0].category == "too_small"
+    # the head (one linear, below min_partition_ops=2) joins the last layer's graph instead of staying eager
+    assert summary(graph) == [("capture", "attn+mlp", "layers.0"), ("capture", "attn+mlp", None)]
+    assert graph.partitions[1].nodes[-1] == "linear_4"  # the head's linear
+
+
+@pytest.mark.parametrize("model", [
+    nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)),  # each child a 1-op "layer"
+    nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.GELU()), nn.Sequential(nn.Linear(16, 8))),  # untagged containers
+], ids=["flat", "nested"])
+def test_whole_layer_merges_small_layers_before_the_size_rule(model):
+    (graph,) = plan(model, {"cuda_graph_modules": []}).graphs
+    assert summary(graph) == [("capture", "", None)]
+    assert graph.partitions[0].num_ops == 3
+
+
+def test_whole_layer_keeps_layers_that_are_big_enough_apart():
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)) for _ in range(3)])
+    (graph,) = plan(model, {"cuda_graph_modules": []}).graphs
+    assert summary(graph) == [("capture", "", "0"), ("capture", "", "1"), ("capture", "", "2")]
+
+
+def test_whole_layer_size_rule_applies_to_the_merged_run():
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    (graph,) = plan(model, {"cuda_graph_modules": [], "min_partition_ops": 4}).graphs
+    assert graph.captured == [] and graph.partitions[0].reasons[0].category == "too_small"
 
 
 def test_block_scope_ignores_module_boundaries():

@@ -100,3 +100,25 @@ def test_get_driver():
         get_driver("cuda", "cpu")
     with pytest.raises(ValueError, match="unknown driver"):
         get_driver("bogus", "cpu")
+
+
+def test_a_failed_capture_leaves_no_state_and_the_same_pool_token_captures_next():
+    """What a CUDA capture failure must not do (issue 12.1): leave a pool recording, a mode or flag on, or
+    half-applied writes. Emulate marks the failed pool as torch does; the driver retires it for the token."""
+    driver = EmulateDriver()
+    pool = driver.new_pool()
+    x = torch.zeros(3)
+
+    def failing(args):
+        args[0].add_(1)  # a write the failed capture must undo
+        return [args[0] * args[0].sum().item()]
+
+    with pytest.raises(CaptureError, match="not permitted"):
+        driver.capture(failing, [x], pool)
+    assert not is_capturing() and torch._C._len_torch_dispatch_stack() == 0
+    assert torch.equal(x, torch.zeros(3))
+    assert driver.live_pool(pool) is not pool  # the token now stands for a fresh pool
+    graph = driver.capture(lambda a: [a[0] + 1], [x], pool)  # same token
+    other = driver.capture(lambda a: [a[0] + 2], [x], driver.new_pool())  # another pool
+    assert torch.equal(graph.replay()[0], torch.ones(3)) and torch.equal(other.replay()[0], torch.full((3,), 2.0))
+

@@ -99,3 +99,35 @@ def test_frame_reused_for_several_layers_is_not_graphed():
         assert_step_matches_eager(spec, compiled, model, reference, tokens)
     reasons = {f["reason"] for f in stats()["eager_fallbacks"]}
     assert any("parameter sets" in r for r in reasons), reasons
+
+
+def _grad_accumulator(t):
+    """The AccumulateGrad node autograd routes t's gradient to (created on first use, shared while alive)."""
+    return t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def test_parameter_samples_are_fresh_leaves_on_the_parameters_memory():
+    """Issue 12.2: the caller keeps the previous step's loss (and so its graph and every parameter's
+    AccumulateGrad node, made on the default stream) alive while the frame graphs. Were a parameter its own
+    sample, the captured backward would send its gradient to that node's stream and the CUDA capture fail.
+    The samples must share the parameters' memory (no per-call copy) without sharing their grad accumulator."""
+    spec = MODELS["dense_gpt"]
+    model = spec.make()
+    params = {p.data_ptr(): p for p in model.parameters()}
+    seen = []
+
+    def graphing_fn(callables, sample_args, **kwargs):
+        seen.extend(a for sample in sample_args for a in sample if a.data_ptr() in params)
+        return emulated_make_graphed_callables(callables, sample_args, **kwargs)
+
+    compiled = torch.compile(model, backend="cudagraph_modules", options=te_options(spec, graphing_fn=graphing_fn))
+    loss = None
+    for step in range(4):
+        (tokens,) = spec.example_inputs(seed=step)
+        loss = spec.loss(compiled, tokens)  # the previous step's loss lives until this returns, as in a loop
+        loss.backward()
+    assert len(seen) == 2 * 12  # two layers' partitions, 12 parameters each
+    for sample in seen:
+        param = params[sample.data_ptr()]
+        assert sample is not param and sample.is_leaf and sample.requires_grad
+        assert _grad_accumulator(sample) is not _grad_accumulator(param)

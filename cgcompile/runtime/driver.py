@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from .. import _compat
 
 __all__ = ["CaptureError", "CapturedGraph", "CudaDriver", "Driver", "EagerDriver", "EmulateDriver",
-           "get_driver", "host_sync_reason", "is_capturing", "is_replaying"]
+           "get_driver", "host_sync_reason", "is_capturing", "is_replaying", "release_cuda_graphs"]
 
 Fn = Callable[[list], Sequence[Any]]
 
@@ -46,14 +47,37 @@ class CapturedGraph:
 
 
 class Driver:
-    """Captures callables. `captures` is False for the eager driver (the runtime then skips all buffer work)."""
+    """Captures callables. `captures` is False for the eager driver (the runtime then skips all buffer work).
+
+    Pool tokens stay valid across failures: a capture that fails may leave its pool unusable (torch keeps it
+    marked as recording, see CudaDriver), so the driver retires it and later captures with the same token go
+    to a fresh pool (`live_pool`). Graphs in the replacement share no memory with the old pool's: safe.
+    """
 
     name = "driver"
     captures = True
 
+    def __init__(self) -> None:
+        self._replaced: dict = {}  # retired pool -> the pool that stands in for it
+
     def new_pool(self) -> Any:
         """A memory-pool token for capture(); graphs captured with the same token share memory."""
         return None
+
+    def live_pool(self, pool: Any) -> Any:
+        """The pool a capture with token `pool` really uses: itself, or what replaced it after a failure."""
+        while pool is not None and pool in self._replaced:
+            pool = self._replaced[pool]
+        return pool
+
+    def retire_pool(self, pool: Any) -> None:
+        """A failed capture left `pool` unusable: later captures with its token use a fresh pool."""
+        if pool is not None:
+            self._replaced[pool] = self.new_pool()
+
+    def release(self) -> None:
+        """Drop what the driver holds between captures (side stream, pool replacements)."""
+        self._replaced.clear()
 
     def warmup_stream(self) -> Any:
         """A context for eager warmup runs of code that will be captured later (no-op off CUDA)."""
@@ -256,15 +280,30 @@ class EmulateDriver(Driver):
 
     name = "emulate"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._recording: set = set()  # pools a failed capture left "recording", as torch's allocators do
+
     def new_pool(self) -> Any:
         return object()
 
     def capture(self, fn: Fn, static_inputs: Sequence[Any], pool: Any = None, *,
                 warmup: bool = True) -> CapturedGraph:
+        pool = self.live_pool(pool)
+        if pool is not None and pool in self._recording:  # what CUDAGraph.capture_begin raises
+            raise CaptureError("CUDA graph capture failed: beginAllocateToPool: already recording to mempool_id "
+                               "(emulated: an earlier capture into this pool failed)")
         undo = _WriteUndo()
         try:
             with _emulating(), _HostSyncGuard(), undo, torch.no_grad():
                 outputs = list(fn(list(static_inputs)))
+        except BaseException:
+            # torch leaves a pool whose capture failed marked as recording (the host allocator's side cannot be
+            # ended from Python); emulate that, and retire it like the CUDA driver does.
+            if pool is not None:
+                self._recording.add(pool)
+                self.retire_pool(pool)
+            raise
         finally:
             undo.restore()
         _poison(outputs, static_inputs)
@@ -306,10 +345,28 @@ class _CudaGraph(CapturedGraph):
                  pool_bytes: int):
         super().__init__(static_inputs, static_outputs, pool_bytes)
         self.graph = graph
+        _LIVE.add(self)
 
     def replay(self) -> List[Any]:
+        if self.graph is None:
+            raise CaptureError("this CUDA graph was released (cgcompile.release() or torch._dynamo.reset())")
         self.graph.replay()  # on the current stream, after the runtime's input copies
         return self.static_outputs
+
+    def release(self) -> None:
+        """Destroy the CUDA graph now (CUDAGraph.reset, public in 2.11 and 2.13), whoever still holds us."""
+        if self.graph is not None:
+            self.graph.reset()
+            self.graph = None
+
+
+_LIVE: "weakref.WeakSet[_CudaGraph]" = weakref.WeakSet()
+
+
+def release_cuda_graphs() -> None:
+    """Destroy every CUDA graph this process captured through the CUDA driver that is still alive."""
+    for graph in list(_LIVE):
+        graph.release()
 
 
 class CudaDriver(Driver):
@@ -326,6 +383,7 @@ class CudaDriver(Driver):
     name = "cuda"
 
     def __init__(self, device: torch.device):
+        super().__init__()
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
         self._stream: Optional[torch.cuda.Stream] = None
@@ -350,8 +408,8 @@ class CudaDriver(Driver):
 
     def capture(self, fn: Fn, static_inputs: Sequence[Any], pool: Any = None, *,
                 warmup: bool = True) -> CapturedGraph:
-        if pool is None:
-            pool = self.new_pool()  # explicit even when private, so a failed capture can release it
+        # explicit even when private, so a failed capture can release it
+        pool = self.live_pool(pool) if pool is not None else self.new_pool()
         stream = self._side_stream()
         with torch.cuda.device(self.device), torch.no_grad():
             current = torch.cuda.current_stream()
@@ -373,16 +431,57 @@ class CudaDriver(Driver):
                         failure.append(exc)
                         raise
             except Exception as exc:
-                # torch.cuda.graph.__exit__ (2.11, 2.13) calls capture_end() first and restores the stream after
-                # it; when capture_end() raises (the capture was invalidated, e.g. by a sync inside a custom op's
-                # kernel), the side stream stays current and the eager fallback and everything after it would
-                # run there. The current stream before capture is this one (the context entered above).
-                torch.cuda.set_stream(current)
-                _compat.cuda_end_allocate_to_pool(self.device, pool)
+                self._undo_failed_capture(graph, pool, stream, current)
                 cause = failure[0] if failure else exc
                 raise CaptureError(f"CUDA graph capture failed: {cause}") from cause
             pool_bytes = max(0, torch.cuda.memory_reserved(self.device) - reserved)
         return _CudaGraph(graph, static_inputs, outputs, pool_bytes)
+
+    def _undo_failed_capture(self, graph: Any, pool: Any, stream: Any, current: Any) -> None:
+        """Leave the process as it was before the capture, so the next one (same token or not) succeeds.
+
+        torch (2.11, 2.13: aten/src/ATen/cuda/CUDAGraph.cpp) unwinds a failed capture only partly:
+        CUDAGraph.capture_end raises at cudaStreamEndCapture's error *before* ending the device and host
+        allocators' recording to the pool, and torch.cuda.graph.__exit__ then skips restoring the stream; a
+        failure inside capture_begin (the host allocator refusing a pool) leaves the device allocator recording.
+        So: end a capture still open on the side stream, make the caller's stream current again, end and
+        release the device allocator's recording (only if it is still on: a successful capture_end already
+        did both), and retire the pool token, because the host allocator's recording cannot be ended from
+        Python (it raises "beginAllocateToPool: already recording to mempool_id" on the next capture into it).
+        The graph object is kept: the allocators keep a callback that reads it. The side stream is replaced.
+        """
+        with torch.cuda.stream(stream):
+            if torch.cuda.is_current_stream_capturing():  # capture_end refused (e.g. called on another stream)
+                try:
+                    graph.capture_end()
+                except Exception:
+                    pass
+        torch.cuda.set_stream(current)
+        if _compat.cuda_end_allocate_to_pool(self.device, pool):
+            _compat.cuda_release_pool(self.device, pool)  # balances capture_begin's reference on the pool
+        if not _capture_succeeded(graph):
+            _ABANDONED_GRAPHS.append(graph)
+            self.retire_pool(pool)
+        self._stream = None
+
+    def release(self) -> None:
+        super().release()
+        self._stream = None
+
+
+# Graphs whose capture failed half way. torch's allocators may still hold a stream filter that reads the graph
+# object (CUDAGraph::create_allocate_filter captures `this`), so it must outlive them: a few bytes each, no
+# CUDA graph and no pool memory.
+_ABANDONED_GRAPHS: List[Any] = []
+
+
+def _capture_succeeded(graph: Any) -> bool:
+    """CUDAGraph.pool() (public, 2.11 and 2.13) raises unless capture_end completed."""
+    try:
+        graph.pool()
+        return True
+    except Exception:
+        return False
 
 
 def get_driver(name: str, device: Any) -> Driver:

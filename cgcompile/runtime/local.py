@@ -43,6 +43,7 @@ import torch.fx as fx
 
 from .. import _compat
 from ..counters import add as _count, record as _record
+from . import release as _release
 from .driver import CaptureError, CapturedGraph, Driver, EagerDriver, get_driver
 
 __all__ = ["ModelRuntime", "compile_partition", "is_static_tensor"]
@@ -100,6 +101,8 @@ class ModelRuntime:
         self._wave = {"graphs": 0, "seconds": 0.0, "bytes": 0}
         self._summary_logged = False
         self._progress: Optional[_Progress] = None
+        self._partitions: "weakref.WeakSet[_Partition]" = weakref.WeakSet()
+        _release.register(self)
 
     # public ---------------------------------------------------------------------------------------------
 
@@ -133,6 +136,28 @@ class ModelRuntime:
         memory = f", {wave['bytes'] / 2**30:.2f} GiB" if self.driver.name == "cuda" else ""
         log.info("cgcompile: captured %d graphs in %.1f s%s (driver %s)", wave["graphs"], wave["seconds"],
                  memory, self.driver.name)
+
+    def release(self) -> None:
+        """Drop every graph, the shared pool and the driver's stream (cgcompile.release()); the partitions
+        warm up and capture again on their next calls. A pending backward of a released forward runs eagerly."""
+        for part in list(self._partitions):
+            part.release()
+        self._owners.clear()
+        self._shared, self._shared_pool, self._wave_open = [], None, True
+        self.driver.release()
+
+    def graph_memory(self) -> List[Dict[str, Any]]:
+        """Per live graph: its partition, kind, the pool bytes its capture reserved (CUDA only), and the bytes
+        of the static input buffers and outputs it owns (what it keeps allocated between calls)."""
+        rows = []
+        for part in list(self._partitions):
+            for variant in part.bank.values():
+                for family in (variant.forward, variant.inference):
+                    for graph in family.graphs if family is not None else ():
+                        for g, kind in ((graph, family.kind), (graph.bw, "backward")):
+                            if g is not None and g.captured is not None:
+                                rows.append({"partition": part.name, "kind": kind, **g.memory()})
+        return rows
 
     # internal -------------------------------------------------------------------------------------------
 
@@ -296,6 +321,17 @@ class _Graph:
         self.handed: List[weakref.ref] = []  # the aliases the last replay handed out
         self.free = False  # seen idle since its last replay: stays so until the next replay (see busy())
         self.bw: Optional[_Graph] = None  # a forward instance's backward graph
+
+    def memory(self) -> Dict[str, int]:
+        """Bytes this graph holds: its pool reservation, its copied-in input buffers, its own outputs."""
+        inputs = self.captured.static_inputs
+        nbytes = {_compat.storage_key(t)[0]: t.untyped_storage().nbytes() for t in inputs
+                  if isinstance(t, torch.Tensor)}
+        buffers = sum(nbytes[_storage_ptr(t)] for t, k in zip(inputs, self.kinds) if k is _OWNED)
+        outputs = {_storage_ptr(t): t.untyped_storage().nbytes() for t in self.captured.static_outputs
+                   if isinstance(t, torch.Tensor) and _storage_ptr(t) not in nbytes}
+        return {"pool_bytes": self.captured.pool_bytes, "static_input_bytes": buffers,
+                "static_output_bytes": sum(outputs.values())}
 
     def owned_storages(self) -> List[Tuple[int, int]]:
         """Storages this graph owns: its copied-in input buffers and outputs not aliasing other inputs."""
@@ -635,6 +671,7 @@ class _Partition:
         self.broken: Optional[str] = None
         self._warned: set = set()
         self._args: Optional[Sequence[Any]] = None
+        runtime._partitions.add(self)
 
     def __call__(self, *args: Any) -> Any:
         if self.broken is not None:
@@ -697,6 +734,12 @@ class _Partition:
         for variant in self.bank.values():
             variant.discard()
         self.bank = {}
+
+    def release(self) -> None:
+        """Forget every graph (cgcompile.release()): the next call compiles, warms up and captures anew."""
+        for variant in self.bank.values():
+            variant.discard()
+        self.bank, self.graph_counts = {}, {}
 
     def eager_call(self, reason: str) -> None:
         """One call runs eagerly (bank full): log and count once per partition and reason."""

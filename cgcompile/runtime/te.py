@@ -14,9 +14,9 @@ graph) and carry none; train/eval consistency holds because Dynamo guards on the
 compiles a separate frame, and no-grad frames are not graphed at all (transformer_engine has no inference scope).
 
 What make_graphed_callables' contract adds (torch's, checked 2.11 and 2.13, and TE's): the split submodules own no
-parameters (Dynamo passes them as arguments), so parameters and buffers are passed as sample arguments and must be
-the very tensors the frame passes (see `_sample`); a frame Dynamo reuses for several layers is not graphed (see
-`_static_key`). A partition with a grad-requiring input that reaches none of its differentiable outputs makes
+parameters (Dynamo passes them as arguments), so parameters and buffers are passed as sample arguments: fresh
+leaves on the very memory the frame passes, never the parameter objects themselves (see `_sample`); a frame Dynamo
+reuses for several layers is not graphed (see `_static_key`). A partition with a grad-requiring input that reaches none of its differentiable outputs makes
 graphing fail unless `te={"allow_unused_input": True}` (both functions take it); the frame then runs eagerly, with
 the reason logged. Graphed outputs are static buffers: the next call overwrites them, and a second forward before
 the first backward (gradient accumulation over micro-batches) is not supported by make_graphed_callables.
@@ -34,6 +34,7 @@ from .. import counters
 from ..errors import ConfigError
 from ..partition import replace_submodule
 from .local import is_static_tensor
+from .release import register
 
 log = logging.getLogger("cgcompile")
 
@@ -65,22 +66,31 @@ def _static_key(args: Sequence[Any]) -> tuple:
 
     Dynamo reuses one compiled frame for every layer when the layers graph-break, so one frame may run several
     parameter sets. The graphed callables of make_graphed_callables (torch's and TE's) copy each argument into
-    their sample tensor, which for a parameter is the parameter itself: a call with another layer's parameters
+    their sample tensor, which for a parameter shares its memory: a call with another layer's parameters
     would overwrite the graphed layer's. So a frame is graphed only when it has seen one parameter set.
     """
     return tuple(id(a) for a in args if is_static_tensor(a))
 
 
 def _sample(arg: Any) -> Any:
-    """A sample argument for graphing: parameters and buffers stay themselves; other tensors are copied so
-    later steps cannot change them before the graphing call.
+    """A sample argument for graphing: a parameter or buffer becomes a fresh leaf on the same memory; other
+    tensors are copied so later steps cannot change them before the graphing call.
 
     make_graphed_callables (torch's and TE's) makes the sample tensors the graphs' static inputs: every call
-    copies its argument into the sample, and the graph reads and writes the sample. A parameter must be the
-    sample so its grads land on it; a buffer too, or the graph's in-place updates (BatchNorm running stats)
-    would go to a clone and the module's buffer would stop changing after graphing."""
-    if is_static_tensor(arg) or not isinstance(arg, torch.Tensor):
+    copies its argument into the sample unless both share an address, and the graph reads and writes the
+    sample. So a parameter's or buffer's sample must share its memory (no copy per call; a graph's in-place
+    updates, BatchNorm running stats, land in the module's buffer), but it must not be the parameter object:
+    the parameter's AccumulateGrad node belongs to the caller's autograd graph (a previous step's loss held
+    in a variable keeps it alive) and carries the stream it was created on, the default stream. Autograd
+    sends the captured backward's gradients to that stream (InputBuffer::add, leaf-stream sync), a stream
+    that cannot join the capture, and the capture fails ("operation failed due to a previous error during
+    capture"). A detached alias has no grad accumulator yet; the one made during graphing lives on the
+    graphing streams. Gradients still reach the parameter: the graphed function returns them to the
+    caller's autograd, which accumulates them into the tensor actually passed, the parameter."""
+    if not isinstance(arg, torch.Tensor):
         return arg
+    if is_static_tensor(arg):
+        return arg.detach().requires_grad_(arg.requires_grad)
     return arg.detach().clone().requires_grad_(arg.requires_grad)
 
 
@@ -107,14 +117,19 @@ class TEFrame:
         self.graphing_fn = graphing_fn
         self.te_options = te_options
         self.warmup_steps = max(1, warmup_steps)
-        self.calls = 0
-        self.graphed = False
-        # Parameter sets seen (see _static_key); the one graphed, once graphing succeeded.
+        # calls, graphed, and the parameter sets seen (see _static_key) and graphed: set by release()
+        self.calls, self.graphed, self.graphed_key = 0, False, None
         self.static_keys: set = set()
-        self.graphed_key: Optional[tuple] = None
         self.recorders = [_Recorder(getattr(split_gm, name)) for name in self.names]
+        self.release()
+        register(self)
+
+    def release(self) -> None:
+        """Un-graph (cgcompile.release()): the recorders run again, and the frame graphs anew after warmup."""
         for name, recorder in zip(self.names, self.recorders):
-            replace_submodule(split_gm, name, recorder)
+            replace_submodule(self.split_gm, name, recorder)
+        self.calls, self.graphed, self.graphed_key = 0, False, None
+        self.static_keys = set()
 
     def __call__(self, *args: Any) -> Any:
         key = _static_key(args)

@@ -19,6 +19,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .. import _compat, counters
 from ..errors import ConfigError
 from .driver import Driver, get_driver, host_sync_reason
+from .release import register
 
 log = logging.getLogger("cgcompile")
 
@@ -93,6 +94,15 @@ class CapturedStep:
         self._variants: Dict[tuple, _Captured] = {}
         self._driver: Optional[Driver] = None
         self._pool: Any = None
+        register(self)
+
+    def release(self) -> None:
+        """Drop the captured step graphs, driver and pool (cgcompile.release()); the next calls warm up and
+        capture again."""
+        self._variants = {}
+        if self._driver is not None:
+            self._driver.release()
+        self._driver = self._pool = None
 
     def _driver_for(self, args: Sequence[Any]) -> Driver:
         if self._driver is None:

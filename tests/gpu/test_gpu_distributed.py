@@ -9,6 +9,7 @@ otherwise, on pre-Blackwell GPUs for its local impl), so the fixture sets that b
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -32,11 +33,13 @@ if dist.is_available():
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.distributed,
+    pytest.mark.timeout(300),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(not (dist.is_available() and dist.is_nccl_available()), reason="needs torch.distributed NCCL"),
 ]
 
 D = 64
+DESTROY_TIMEOUT_S = 60
 STEPS = 5
 WARMUP = 2
 
@@ -51,7 +54,15 @@ def nccl_group(tmp_path_factory):
     store = dist.FileStore(str(tmp_path_factory.mktemp("nccl") / "store"), 1)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
     yield dist.group.WORLD
-    dist.destroy_process_group()
+    # Graphs holding NCCL collectives keep the communicator busy: destroy them first (issue 12.3), and never
+    # wait forever on NCCL: a destroy that does not return within the limit fails the run instead of hanging it.
+    cgcompile.release()
+    torch._dynamo.reset()
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (dist.destroy_process_group(), done.set()), daemon=True)
+    worker.start()
+    worker.join(DESTROY_TIMEOUT_S)
+    assert done.is_set(), f"dist.destroy_process_group() did not return within {DESTROY_TIMEOUT_S} s"
 
 
 # ---- models -------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from tests.test_runtime_traps import (SYNCING_TAGS, TIED_TAGS, Net, Syncing, Tie
                                       partition_name, static_ptrs, tag_syncing, tag_tied)
 from tests.test_runtime_traps import runtimes  # noqa: F401  (a pytest fixture, used by name)
 
-pytestmark = [pytest.mark.cuda,
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 DEV = "cuda"
@@ -66,6 +66,47 @@ def test_driver_rejects_host_sync_before_capturing():
         driver.capture(lambda a: [a[0] * a[0].sum().item()], [torch.randn(4, device=DEV)])
     assert not torch.cuda.is_current_stream_capturing()
     torch.randn(4, device=DEV).sum().item()  # the device is still usable
+
+
+def test_failed_capture_leaves_nothing_behind_and_the_next_captures_succeed():
+    """A sync *inside* the capture (warmup=False skips the guard): torch's capture_end raises before it ends
+    the allocators' recording to the pool. Afterwards: no capture open, the caller's stream current, the same
+    pool token and a fresh pool both capture, and the device allocator routes nothing to a dead pool."""
+    driver = CudaDriver(torch.device(DEV))
+    pool = driver.new_pool()
+    x = torch.randn(4, device=DEV)
+    before = torch.cuda.current_stream()
+    with pytest.raises(CaptureError):
+        driver.capture(lambda a: [a[0] * a[0].sum().item()], [x], pool, warmup=False)
+    assert not torch.cuda.is_current_stream_capturing()
+    assert torch.cuda.current_stream() == before
+    same = driver.capture(lambda a: [a[0] + 1], [x], pool)
+    other = driver.capture(lambda a: [a[0] + 2], [x], driver.new_pool())
+    close(same.replay()[0], x + 1)
+    close(other.replay()[0], x + 2)
+    torch.cuda.synchronize()
+    assert torch.ones(4, device=DEV).sum().item() == 4.0  # the device is still usable
+
+
+def test_release_destroys_the_cuda_graphs_whoever_holds_them():
+    """cgcompile.release() must not wait for the garbage collector (issue 12.3): a graph someone still
+    references is reset all the same, and a model compiled before trains on, capturing again."""
+    import cgcompile
+    driver = CudaDriver(torch.device(DEV))
+    held = driver.capture(lambda a: [a[0] * 2], [torch.ones(4, device=DEV)])
+    cgcompile.release()
+    assert held.graph is None
+    with pytest.raises(CaptureError, match="released"):
+        held.replay()
+    ref, model = twins()
+    cmodel = cuda_compiled(model)
+    for step in range(5):
+        x, _ = gbatch(step)
+        close(cmodel(x), ref(x))
+        if step == 3:
+            cgcompile.release()
+            assert stats()["graphs"] == []
+    assert stats()["graphs_captured"] > 0
 
 
 def test_training_steps_match_eager_and_replay(runtimes):  # noqa: F811

@@ -1,0 +1,47 @@
+"""cgcompile.release(): drop every CUDA graph, pool and side stream the backend holds, now.
+
+Why explicit: a captured graph is destroyed only when the last Python reference to it goes, and references
+outlive a model in ways a user cannot see (Dynamo's caches, autograd graphs of kept outputs, aliases a replay
+handed out). Graphs with NCCL collectives keep the communicator busy, so `dist.destroy_process_group()`
+waits for them (issue 12.3). release() resets every graph itself instead of waiting for the garbage collector.
+Compiled models stay usable: their next calls warm up and capture again. `torch._dynamo.reset()` calls it
+too, through the backend's `reset` attribute (torch.compile's backend wrapper calls it on Dynamo reset).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, List
+
+import torch
+
+__all__ = ["graph_memory", "register", "release"]
+
+_holders: "weakref.WeakSet[Any]" = weakref.WeakSet()  # objects with release() (and maybe graph_memory())
+
+
+def register(holder: Any) -> Any:
+    """Track an object that holds graphs (ModelRuntime, CapturedStep, TEFrame) for release()."""
+    _holders.add(holder)
+    return holder
+
+
+def release() -> None:
+    """Reset every captured graph, forget every pool and side stream, and return the memory to CUDA."""
+    for holder in list(_holders):
+        holder.release()
+    from .driver import release_cuda_graphs
+    release_cuda_graphs()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def graph_memory() -> List[Dict[str, Any]]:
+    """One entry per live captured graph: partition, kind, and the bytes it holds (see ModelRuntime)."""
+    rows: List[Dict[str, Any]] = []
+    for holder in list(_holders):
+        describe = getattr(holder, "graph_memory", None)
+        if describe is not None:
+            rows.extend(describe())
+    return rows
