@@ -60,3 +60,62 @@ def test_decode_matches_eager_over_16_steps(inner):
 def test_full_iteration_decodes_like_eager():
     _, st = assert_decode_matches_eager({"cuda_graph_impl": "full_iteration", "driver": "emulate"})
     assert st["graphs_captured"] == 1 and st["eager_fallbacks"] == []
+
+
+def test_steady_decode_step_runs_nothing_outside_the_graph_but_input_copies(monkeypatch):
+    """Per call, outside the replayed graph: one copy per non-static input (token, input_pos), one detach for
+    the output handed out and its clone leaving the frame. The cache writes happen inside the graph (aot's
+    inference epilogue would copy every written cache buffer eagerly after it), for both inner compilers."""
+    from cgcompile._compat import TorchDispatchMode
+    from cgcompile.backend import cudagraph_modules
+    from cgcompile.runtime.driver import _EmulatedGraph
+
+    class OutsideReplay(TorchDispatchMode):
+        inside = False
+
+        def __init__(self):
+            super().__init__()
+            self.ops = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not OutsideReplay.inside:
+                self.ops[str(func)] = self.ops.get(str(func), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    replay = _EmulatedGraph.replay
+
+    def flagged_replay(self):
+        OutsideReplay.inside = True
+        try:
+            return replay(self)
+        finally:
+            OutsideReplay.inside = False
+
+    monkeypatch.setattr(_EmulatedGraph, "replay", flagged_replay)
+    counters = []
+
+    def counting_backend(gm, example_inputs, options=None):
+        frame = cudagraph_modules(gm, example_inputs, options=options)
+
+        def run(*args):
+            if not counters:
+                return frame(*args)
+            with counters[-1]:
+                return frame(*args)
+        return run
+
+    for inner in ("eager", "inductor"):
+        torch._dynamo.reset()
+        model, _ = decode_twins()
+        (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+        options = dict(OPTIONS, driver="emulate", inner_compiler=inner)
+        step = torch.compile(kv_gpt.DecodeStep(model), backend=lambda gm, ex: counting_backend(gm, ex, options))
+        pos = kv_gpt.positions(model.max_seq)
+        with torch.no_grad():
+            token = kv_gpt.prefill(model, prompt)
+            for i in range(5):  # warmup, capture, replays
+                token = step(token, pos[8 + i])
+            counters.append(OutsideReplay())
+            step(token, pos[13])
+        assert counters.pop().ops == {"aten.copy_.default": 2, "aten.detach.default": 1,
+                                      "aten.clone.default": 1}, inner
