@@ -415,18 +415,12 @@ def split(gm: fx.GraphModule, graph_plan: GraphPlan) -> fx.GraphModule:
     return split_module(gm, None, callback, keep_original_order=True)
 
 
-class _CallableModule(torch.nn.Module):
-    """Holds a runtime callable where the split graph calls a submodule."""
-
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
-
-
 def replace_submodule(split_gm: fx.GraphModule, name: str, fn) -> None:
-    """Make the split graph call `fn` (a module or any callable) in place of its submodule `name`."""
+    """Make the split graph call `fn` (a module or any callable) in place of its submodule `name`. A plain
+    callable is stored as a plain attribute: the generated forward calls `self.<name>(...)` directly, without
+    nn.Module.__call__'s hook dispatch on every call."""
     delattr(split_gm, name)
-    setattr(split_gm, name, fn if isinstance(fn, torch.nn.Module) else _CallableModule(fn))
+    if isinstance(fn, torch.nn.Module):
+        setattr(split_gm, name, fn)
+    else:
+        object.__setattr__(split_gm, name, fn)
