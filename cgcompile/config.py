@@ -205,6 +205,11 @@ class CudaGraphConfig:
         strict: a selected region (e.g. moe) holding a data-dependent op raises instead of staying eager.
         clone_outputs: copy outputs leaving the compiled frame so the next replay cannot overwrite them.
         verify: run eager beside replay for this many steps and report the max difference (>= 0).
+        capture_sizes: batch-size buckets for serving (vLLM's approach), off when empty. With a dynamic batch
+            dimension, each call's batch is padded up to the next size listed and the outputs sliced back, so
+            a changing batch replays one graph per listed size; larger batches run eagerly (counted, logged
+            once). Applied only where every op keeps the batch rows independent (the plan says why not).
+            Positive ints, stored sorted and deduplicated; at most max_graphs_per_partition of them.
         te: keyword arguments passed through to Transformer Engine's make_graphed_callables (read-only;
             compared, not hashed).
         migrations: the deprecated spellings :meth:`from_options` rewrote (not compared, so a config
@@ -223,6 +228,7 @@ class CudaGraphConfig:
     strict: bool = False
     clone_outputs: bool = True
     verify: int = 0
+    capture_sizes: tuple[int, ...] = ()
     te: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _ReadOnlyMapping({}), hash=False)
     migrations: tuple[Migration, ...] = dataclasses.field(default=(), compare=False)
 
@@ -245,6 +251,7 @@ class CudaGraphConfig:
             "strict": _parse_bool("strict", self.strict),
             "clone_outputs": _parse_bool("clone_outputs", self.clone_outputs),
             "verify": _parse_int("verify", self.verify, 0),
+            "capture_sizes": _parse_capture_sizes(self.capture_sizes, self.max_graphs_per_partition),
             "te": _parse_te(self.te),
             "migrations": _parse_migrations(self.migrations),
         }
@@ -599,6 +606,20 @@ def _parse_bool(option: str, value: Any) -> bool:
     if type(value) is int and value in (0, 1):
         return bool(value)
     raise ConfigError(f"{option} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def _parse_capture_sizes(value: Any, max_graphs: Any) -> tuple[int, ...]:
+    """A list or tuple of positive batch sizes -> sorted, deduplicated tuple (one graph each)."""
+    form = "a list of positive batch sizes, e.g. [1, 2, 4, 8]"
+    if not isinstance(value, (list, tuple)) or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value):
+        raise ConfigError(f"capture_sizes must be {form} (empty: off), got {value!r}")
+    sizes = tuple(sorted(set(value)))
+    if isinstance(max_graphs, int) and len(sizes) > max_graphs:
+        raise ConfigError(f"capture_sizes={list(sizes)} needs {len(sizes)} graphs per partition, but "
+                          f"max_graphs_per_partition={max_graphs}; raise max_graphs_per_partition to at least "
+                          f"{len(sizes)} or list fewer sizes")
+    return sizes
 
 
 def _parse_te(value: Any) -> Mapping[str, Any]:
