@@ -20,6 +20,7 @@ from .diagnostics import full_iteration_error, log_graph_plan
 from .errors import ConfigError
 from .logs import register_with_torch_logs
 from .passes import is_static_placeholder, node_location
+from .runtime.capture_sizes import BatchBuckets, batch_padding_blocker, batch_symbol
 from .runtime.local import ModelRuntime, compile_partition
 from .runtime.te import TEFrame, resolve_graphing_fn
 from .runtime.verify import VerifiedPartition
@@ -58,8 +59,14 @@ def make_plan(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGra
     training = torch.is_grad_enabled()
     scope = scope_for(config, training)
     hoist_scalar_input_reads(gm)
-    return plan_graph(gm, config, index, training=training, device=device_of(example_inputs),
-                      scope=scope or OFF_SCOPE, validate_tags=validate_tags)
+    graph_plan = plan_graph(gm, config, index, training=training, device=device_of(example_inputs),
+                            scope=scope or OFF_SCOPE, validate_tags=validate_tags)
+    if config.capture_sizes:
+        sym = batch_symbol(gm)
+        if sym is not None:
+            graph_plan.batch_symbol = str(sym)
+            graph_plan.batch_padding_refused = batch_padding_blocker(gm, sym)
+    return graph_plan
 
 
 class _PlanListener:
@@ -156,6 +163,9 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
         return runtime.finish_frame_outputs(forward(*args))
 
     run.runtime = runtime  # type: ignore[attr-defined]  # for tests and tools
+    if graph_plan.batch_symbol is not None and graph_plan.batch_padding_refused is None:
+        sym = batch_symbol(gm)
+        return BatchBuckets(gm, sym, run, config.capture_sizes, f"graph {graph_plan.index}")
     return run
 
 

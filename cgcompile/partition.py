@@ -67,6 +67,10 @@ class GraphPlan:
     device: str
     training: bool
     findings: Dict[str, Tuple[Finding, ...]] = field(default_factory=dict, repr=False)
+    # capture_sizes: the batch symbol padded to the capture sizes ("s0"), and why padding is refused (a
+    # not_paddable Finding); both None when the option is off or the frame's batch is static.
+    batch_symbol: Optional[str] = None
+    batch_padding_refused: Optional[Finding] = None
 
     @property
     def node_to_partition(self) -> Dict[str, int]:
@@ -78,7 +82,9 @@ class GraphPlan:
 
     def to_json(self) -> dict:
         return {"index": self.index, "scope": self.scope, "device": self.device, "training": self.training,
-                "partitions": [p.to_json() for p in self.partitions]}
+                "partitions": [p.to_json() for p in self.partitions], "batch_symbol": self.batch_symbol,
+                "batch_padding_refused": (self.batch_padding_refused.to_json()
+                                          if self.batch_padding_refused else None)}
 
 
 @dataclass(frozen=True)
