@@ -1,21 +1,19 @@
 """GPU benchmark: cgcompile's partial CUDA graphs against eager, Inductor and Inductor's reduce-overhead.
 
-Two launch-bound workloads, each run under every variant:
+Launch-bound workloads, each run under every variant:
   moe:    one training step (forward + backward, no optimizer) of the tiny-model MoE from tests/models/moe.py
           built at 8 layers, d=512, 8 experts top-2, bf16, small batch; mask dispatch (torch.nonzero per
           expert, data-dependent), so a whole-step graph is impossible and capture must be partial.
-  decode: one greedy decode step (torch.no_grad) of the dense GPT from tests/models/dense_gpt.py at 8 layers,
-          d=512, bf16, small batch, on a fixed window (no KV cache in the tiny model; static shapes).
+  decode: one greedy decode step (torch.no_grad) of the KV-cache GPT from tests/models/kv_gpt.py at 8 layers,
+          d=512, bf16, fixed batch: static cache in buffers written in place at a tensor position (gpt-fast
+          style), after an eager prefill.
+  decode-varying: the same step with a batch that changes every step (1..--max-batch), as a server sees it.
 Variants: eager, inductor (torch.compile default), reduce-overhead (torch.compile mode="reduce-overhead"),
 cg-local-eager / cg-local-inductor (backend="cudagraph_modules", cuda_graph_impl="local", inner_compiler eager /
-inductor) and cg-full-iteration (whole-step capture; it refuses the MoE, which prints "n/a: <why>").
-
-Per variant: step time (CUDA events around each step, median), compile + capture time (wall time of the first
-calls, which compile, warm up and capture), peak memory above the start of the variant
-(torch.cuda.max_memory_allocated after a reset), and the GPU-busy bound (sum of device kernel and memcpy times
-per step from torch.profiler: a step cannot be faster than that). Compiled variants share Dynamo flags
-(capture_dynamic_output_shape_ops=True for the MoE) and Inductor's caches are disabled, so compile times are cold.
-Every variant runs in its own try/except: one failure prints its error line and the rest still run.
+inductor), the same with "+sizes" (option capture_sizes: the batch padded to 1, 2, 4, ... up to the largest
+batch; decode workloads only) and cg-full-iteration (whole-step capture; it refuses the MoE, which prints
+"n/a: <why>"). Compiled variants use Dynamo's automatic dynamic shapes (a changing batch recompiles once with
+a symbolic batch; reduce-overhead then records a graph per batch size).
 
     python benchmarks/bench_gpu.py             # on a CUDA machine; prints "skipped: no CUDA" and exits 0 elsewhere
     python benchmarks/bench_gpu.py --quick     # fewer timed steps
@@ -43,10 +41,11 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import cgcompile  # noqa: E402
-from tests.models import dense_gpt, moe  # noqa: E402
-from tests.models.dense_gpt import GreedyStep  # noqa: E402
+from tests.models import kv_gpt, moe  # noqa: E402
 
-VARIANTS = ("eager", "inductor", "reduce-overhead", "cg-local-eager", "cg-local-inductor", "cg-full-iteration")
+VARIANTS = ("eager", "inductor", "reduce-overhead", "cg-local-eager", "cg-local-inductor", "cg-full-iteration",
+            "cg-local-eager+sizes", "cg-local-inductor+sizes")
+MODELS = ("moe", "decode", "decode-varying")
 COMPILE_CALLS = 5  # covers cgcompile's default 3 warmup steps + capture, and reduce-overhead's warmup + record
 
 
@@ -60,6 +59,7 @@ class Workload:
     make_step: Callable[[Callable], Callable[[], None]]
     local_options: dict
     dynamo_flags: dict
+    capture_sizes: Optional[List[int]] = None  # for the "+sizes" variants (decode workloads only)
 
 
 @dataclasses.dataclass
@@ -91,23 +91,39 @@ def moe_workload(args, device, dtype) -> Workload:
                     {"capture_dynamic_output_shape_ops": True})
 
 
-def decode_workload(args, device, dtype) -> Workload:
-    model = dense_gpt.build(num_layers=args.layers, d_model=args.d_model, n_heads=args.heads)
-    module = GreedyStep(model.to(device=device, dtype=dtype).eval())
-    window = min(args.seq, dense_gpt.MAX_SEQ)
-    (prompt,) = dense_gpt.example_inputs(batch=args.batch, seq=window, device=device)
+def decode_workload(args, device, dtype, varying: bool = False) -> Workload:
+    """Greedy decode with a static KV cache (tests/models/kv_gpt.py): prefill eagerly, then time decode steps.
+    Positions cycle through the cache after the prompt. varying=True: the batch changes every step (a fixed
+    pseudo-random sequence over 1..--max-batch, fresh token tensors, as a server builds each step's batch)."""
+    max_batch = args.max_batch if varying else args.batch
+    model = kv_gpt.build(num_layers=args.layers, d_model=args.d_model, n_heads=args.heads, max_batch=max_batch,
+                         max_seq=args.seq + args.decode_positions).to(device=device, dtype=dtype).eval()
+    module = kv_gpt.DecodeStep(model)
+    (prompt,) = kv_gpt.example_inputs(batch=max_batch, seq=args.seq, device=device)
+    first = kv_gpt.prefill(model, prompt)
+    positions = kv_gpt.positions(model.max_seq, device)
+    batches = [max_batch] * 16
+    if varying:
+        g = torch.Generator().manual_seed(0)
+        batches = [int(b) + 1 for b in torch.randint(0, max_batch, (64,), generator=g)]
+    tokens = [first[:b].clone() for b in batches]
+    state = {"i": 0}
 
     def make_step(fn):
         def step():
+            i = state["i"]
+            state["i"] = i + 1
             with torch.no_grad():
-                fn(prompt)
+                fn(tokens[i % len(tokens)], positions[args.seq + i % args.decode_positions])
         return step
 
-    title = (f"decode: greedy step (no_grad), {args.layers} layers, d={args.d_model}, "
-             f"{str(dtype).replace('torch.', '')}, window ({args.batch}, {window})")
-    return Workload("decode", title, module, make_step,
+    kind = f"batch changing every step (1..{max_batch})" if varying else f"batch {max_batch}"
+    title = (f"{'decode-varying' if varying else 'decode'}: greedy KV-cache decode step (no_grad), {args.layers} "
+             f"layers, d={args.d_model}, {str(dtype).replace('torch.', '')}, {kind}, prompt {args.seq}")
+    sizes = [s for s in (1, 2, 4, 8, 16, 32, 64, 128) if s < max_batch] + [max_batch]
+    return Workload("decode-varying" if varying else "decode", title, module, make_step,
                     {"cuda_graph_impl": "local", "cuda_graph_modules": ["attn", "mlp"],
-                     "inference_cuda_graph_scope": "block"}, {})
+                     "inference_cuda_graph_scope": "block"}, {}, capture_sizes=sizes)
 
 
 def build_variant(name: str, workload: Workload, driver: str) -> Callable:
@@ -121,8 +137,12 @@ def build_variant(name: str, workload: Workload, driver: str) -> Callable:
     if name == "cg-full-iteration":
         options = {"cuda_graph_impl": "full_iteration", "driver": driver}
     else:
-        inner = name.rsplit("-", 1)[1]
+        inner = name.split("+")[0].rsplit("-", 1)[1]
         options = dict(workload.local_options, inner_compiler=inner, driver=driver)
+    if name.endswith("+sizes"):
+        if not workload.capture_sizes:
+            raise ValueError("capture_sizes rows are for the decode workloads")
+        options["capture_sizes"] = workload.capture_sizes
     return torch.compile(module, backend="cudagraph_modules", options=options)
 
 
@@ -299,13 +319,25 @@ def goal_rows(all_results: Dict[str, Dict[str, Result]]) -> List[tuple]:
                     _ratio(get(w, v, "compile_s"), get(w, "reduce-overhead", "compile_s")), lambda x: x <= 1 / 3)
         row(f"decode step within 1.1x of its GPU-busy bound ({v})",
             _ratio(get("decode", v, "step_ms"), get("decode", v, "busy_ms")), lambda x: x <= 1.1)
+        if inner == "inductor":
+            row(f"decode step no slower than reduce-overhead ({v}; speedup)",
+                _ratio(get("decode", "reduce-overhead", "step_ms"), get("decode", v, "step_ms")), lambda x: x >= 1.0)
+    if "cg-full-iteration" in all_results.get("decode", {}):
+        row("decode step within 1.1x of its GPU-busy bound (cg-full-iteration)",
+            _ratio(get("decode", "cg-full-iteration", "step_ms"), get("decode", "cg-full-iteration", "busy_ms")),
+            lambda x: x <= 1.1)
+    for v in ("cg-local-eager+sizes", "cg-local-inductor+sizes"):
+        if v in all_results.get("decode-varying", {}):
+            row(f"decode-varying step faster than reduce-overhead ({v}; speedup)",
+                _ratio(get("decode-varying", "reduce-overhead", "step_ms"), get("decode-varying", v, "step_ms")),
+                lambda x: x > 1.0)
     return rows
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer timed and profiled steps")
-    parser.add_argument("--models", default="moe,decode", help="comma-separated: moe, decode")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 100, quick 20)")
     parser.add_argument("--profile-steps", type=int, default=None, help="profiled steps (default 10, quick 3)")
@@ -314,16 +346,19 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=32, help="MoE tokens per sequence; decode prompt length")
+    parser.add_argument("--max-batch", type=int, default=16, help="decode-varying: batches range over 1..this")
+    parser.add_argument("--decode-positions", type=int, default=64,
+                        help="decode: cache positions after the prompt that the timed steps cycle through")
     parser.add_argument("--driver", default="auto", help="cgcompile driver: auto | cuda | emulate | eager")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="run the harness on CPU with tiny float32 models (checks plumbing; numbers meaningless)")
     args = parser.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [v for v in variants if v not in VARIANTS] + [m for m in models if m not in ("moe", "decode")]
+    unknown = [v for v in variants if v not in VARIANTS] + [m for m in models if m not in MODELS]
     if unknown:
-        parser.error(f"unknown variant or model {unknown}; variants: {VARIANTS}; models: moe, decode")
+        parser.error(f"unknown variant or model {unknown}; variants: {VARIANTS}; models: {MODELS}")
     args.steps = args.steps or (20 if args.quick else 100)
     args.profile_steps = args.profile_steps or (3 if args.quick else 10)
 
@@ -338,6 +373,7 @@ def main(argv=None) -> int:
     else:
         device, dtype = "cpu", torch.float32
         args.layers, args.d_model, args.heads, args.experts, args.batch, args.seq = 2, 32, 4, 4, 2, 8
+        args.max_batch, args.decode_positions = 4, 16
         print(f"CPU SMOKE RUN (plumbing only, numbers meaningless): torch {torch.__version__}, {now}")
     torch._inductor.config.force_disable_caches = True  # cold compile times for every compiled variant
     warnings.filterwarnings("ignore", message=".*force_disable_caches.*")
@@ -346,7 +382,8 @@ def main(argv=None) -> int:
 
     clock = Clock(cuda)
     started = time.perf_counter()
-    builders = {"moe": moe_workload, "decode": decode_workload}
+    builders = {"moe": moe_workload, "decode": decode_workload,
+                "decode-varying": lambda *a: decode_workload(*a, varying=True)}
     all_results: Dict[str, Dict[str, Result]] = {}
     for model_name in models:
         try:

@@ -31,7 +31,9 @@ def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
     tracing context is active.
 
     - inductor=False: torch._functorch.aot_autograd.aot_module_simplified (checked 2.11, 2.13); `run` calls
-      the aten graph module.
+      the aten graph module. keep_inference_input_mutations=True (as Inductor sets it): an inference graph's
+      writes to its inputs (a KV cache buffer) stay in the graph as `copy_`, so they are captured, instead of
+      running after it as aot's per-call epilogue (one eager copy per mutated input, outside the graph).
     - inductor=True: torch._inductor.compile_fx.compile_fx with a custom `inner_compile` (checked 2.11, 2.13),
       so Inductor's decompositions, joint-graph passes and partitioner apply, and each graph is compiled by
       compile_fx_inner. Inductor's own cudagraphs are forced off (we capture), and the AOTAutograd cache is
@@ -46,7 +48,8 @@ def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
             return compile_graph
 
         return aot_module_simplified(mod, list(args), fw_compiler=compiler("forward"),
-                                     bw_compiler=compiler("backward"), inference_compiler=compiler("inference"))
+                                     bw_compiler=compiler("backward"), inference_compiler=compiler("inference"),
+                                     keep_inference_input_mutations=True)
 
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config

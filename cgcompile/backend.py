@@ -21,6 +21,7 @@ from .errors import ConfigError
 from .logs import register_with_torch_logs
 from .padding import pad_dynamic_rows
 from .passes import is_static_placeholder, node_location
+from .runtime.capture_sizes import BatchBuckets, batch_padding_blocker, batch_symbol
 from .runtime.local import ModelRuntime, compile_partition
 from .runtime.release import release
 from .runtime.te import TEFrame, resolve_graphing_fn
@@ -61,8 +62,14 @@ def make_plan(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGra
     scope = scope_for(config, training)
     hoist_scalar_input_reads(gm)
     pad_dynamic_rows(gm, config)
-    return plan_graph(gm, config, index, training=training, device=device_of(example_inputs),
-                      scope=scope or OFF_SCOPE, validate_tags=validate_tags)
+    graph_plan = plan_graph(gm, config, index, training=training, device=device_of(example_inputs),
+                            scope=scope or OFF_SCOPE, validate_tags=validate_tags)
+    if config.capture_sizes:
+        sym = batch_symbol(gm)
+        if sym is not None:
+            graph_plan.batch_symbol = str(sym)
+            graph_plan.batch_padding_refused = batch_padding_blocker(gm, sym)
+    return graph_plan
 
 
 class _PlanListener:
@@ -159,6 +166,9 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
         return runtime.finish_frame_outputs(forward(*args))
 
     run.runtime = runtime  # type: ignore[attr-defined]  # for tests and tools
+    if graph_plan.batch_symbol is not None and graph_plan.batch_padding_refused is None:
+        sym = batch_symbol(gm)
+        return BatchBuckets(gm, sym, run, config.capture_sizes, f"graph {graph_plan.index}")
     return run
 
 

@@ -222,6 +222,11 @@ class CudaGraphConfig:
             cannot be proven stay eager with reason ``not_paddable``.
         dynamic_padding_buckets: bucket sizes for ``buckets`` (positive, increasing); empty = powers of two.
             Counts above the largest bucket pad to the static upper bound.
+        capture_sizes: batch-size buckets for serving (vLLM's approach), off when empty. With a dynamic batch
+            dimension, each call's batch is padded up to the next size listed and the outputs sliced back, so
+            a changing batch replays one graph per listed size; larger batches run eagerly (counted, logged
+            once). Applied only where every op keeps the batch rows independent (the plan says why not).
+            Positive ints, stored sorted and deduplicated; at most max_graphs_per_partition of them.
         te: keyword arguments passed through to Transformer Engine's make_graphed_callables (read-only;
             compared, not hashed).
         migrations: the deprecated spellings :meth:`from_options` rewrote (not compared, so a config
@@ -242,6 +247,7 @@ class CudaGraphConfig:
     verify: int = 0
     dynamic_padding: DynamicPadding = DynamicPadding.OFF
     dynamic_padding_buckets: tuple[int, ...] = ()
+    capture_sizes: tuple[int, ...] = ()
     te: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _ReadOnlyMapping({}), hash=False)
     migrations: tuple[Migration, ...] = dataclasses.field(default=(), compare=False)
 
@@ -266,6 +272,7 @@ class CudaGraphConfig:
             "verify": _parse_int("verify", self.verify, 0),
             "dynamic_padding": _parse_enum("dynamic_padding", self.dynamic_padding, DynamicPadding),
             "dynamic_padding_buckets": _parse_buckets(self.dynamic_padding_buckets),
+            "capture_sizes": _parse_capture_sizes(self.capture_sizes, self.max_graphs_per_partition),
             "te": _parse_te(self.te),
             "migrations": _parse_migrations(self.migrations),
         }
@@ -641,6 +648,17 @@ def _parse_buckets(value: Any) -> tuple[int, ...]:
     sizes = tuple(_parse_int("dynamic_padding_buckets", item, 1) for item in value)
     if any(b <= a for a, b in zip(sizes, sizes[1:])):
         raise ConfigError(f"dynamic_padding_buckets must be strictly increasing, got {list(sizes)}")
+def _parse_capture_sizes(value: Any, max_graphs: Any) -> tuple[int, ...]:
+    """A list or tuple of positive batch sizes -> sorted, deduplicated tuple (one graph each)."""
+    form = "a list of positive batch sizes, e.g. [1, 2, 4, 8]"
+    if not isinstance(value, (list, tuple)) or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value):
+        raise ConfigError(f"capture_sizes must be {form} (empty: off), got {value!r}")
+    sizes = tuple(sorted(set(value)))
+    if isinstance(max_graphs, int) and len(sizes) > max_graphs:
+        raise ConfigError(f"capture_sizes={list(sizes)} needs {len(sizes)} graphs per partition, but "
+                          f"max_graphs_per_partition={max_graphs}; raise max_graphs_per_partition to at least "
+                          f"{len(sizes)} or list fewer sizes")
     return sizes
 
 

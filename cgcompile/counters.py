@@ -22,6 +22,7 @@ def _zero() -> Dict[str, Any]:
         "pool_bytes": 0,         # device memory reserved while capturing (CUDA only; 0 elsewhere)
         "capture_seconds": 0.0,  # wall time spent in warmup-compile and capture
         "verify_max_diff": {},   # partition -> largest |captured - eager| seen (option verify)
+        "capture_size_overflows": 0,  # calls whose batch exceeded the largest capture size (ran eagerly)
     }
 
 

@@ -78,11 +78,26 @@ def format_table(graph: GraphPlan) -> str:
     return "\n".join(lines)
 
 
+def capture_sizes_line(graph: GraphPlan, config) -> str:
+    """What capture_sizes does to this graph ('' when the option is off or the batch is static)."""
+    if graph.batch_symbol is None:
+        return ""
+    sizes = ", ".join(map(str, config.capture_sizes))
+    refused = graph.batch_padding_refused
+    if refused is None:
+        return (f"capture_sizes [{sizes}]: batch {graph.batch_symbol} is padded to the next size, outputs sliced "
+                f"back; larger batches run eagerly")
+    return (f"capture_sizes [{sizes}]: not applied, one graph per batch size: {refused.category}: {refused.op} at "
+            f"{short_location(refused.location)}: {refused.detail}" + (f" ({refused.hint})" if refused.hint else ""))
+
+
 def format_plan(plan: Plan) -> str:
     lines: List[str] = [f"cgcompile plan: {describe_config(plan.config)}"]
     for graph in plan.graphs:
         lines.append(summary_line(graph, plan.config))
         lines.append(format_table(graph))
+        if capture_sizes_line(graph, plan.config):
+            lines.append(capture_sizes_line(graph, plan.config))
     if plan.graph_breaks:
         lines.append(f"Dynamo graph breaks ({len(plan.graph_breaks)}), each runs in Python between graphs:")
         for brk in plan.graph_breaks:
@@ -103,6 +118,8 @@ def log_graph_plan(graph: GraphPlan, config) -> None:
     """INFO: summary and table; DEBUG: every finding of every node (not only the first per partition)."""
     if log.isEnabledFor(logging.INFO):
         log.info("%s\n%s", summary_line(graph, config), format_table(graph))
+    if graph.batch_padding_refused is not None:
+        log.warning("cgcompile: graph %d: %s", graph.index, capture_sizes_line(graph, config))
     if log.isEnabledFor(logging.DEBUG):
         for node, findings in graph.findings.items():
             for f in findings:

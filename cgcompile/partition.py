@@ -70,6 +70,10 @@ class GraphPlan:
     device: str
     training: bool
     findings: Dict[str, Tuple[Finding, ...]] = field(default_factory=dict, repr=False)
+    # capture_sizes: the batch symbol padded to the capture sizes ("s0"), and why padding is refused (a
+    # not_paddable Finding); both None when the option is off or the frame's batch is static.
+    batch_symbol: Optional[str] = None
+    batch_padding_refused: Optional[Finding] = None
 
     @property
     def node_to_partition(self) -> Dict[str, int]:
@@ -81,7 +85,9 @@ class GraphPlan:
 
     def to_json(self) -> dict:
         return {"index": self.index, "scope": self.scope, "device": self.device, "training": self.training,
-                "partitions": [p.to_json() for p in self.partitions]}
+                "partitions": [p.to_json() for p in self.partitions], "batch_symbol": self.batch_symbol,
+                "batch_padding_refused": (self.batch_padding_refused.to_json()
+                                          if self.batch_padding_refused else None)}
 
 
 @dataclass(frozen=True)
@@ -449,18 +455,12 @@ def split(gm: fx.GraphModule, graph_plan: GraphPlan) -> fx.GraphModule:
     return split_module(gm, None, callback, keep_original_order=True)
 
 
-class _CallableModule(torch.nn.Module):
-    """Holds a runtime callable where the split graph calls a submodule."""
-
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
-
-
 def replace_submodule(split_gm: fx.GraphModule, name: str, fn) -> None:
-    """Make the split graph call `fn` (a module or any callable) in place of its submodule `name`."""
+    """Make the split graph call `fn` (a module or any callable) in place of its submodule `name`. A plain
+    callable is stored as a plain attribute: the generated forward calls `self.<name>(...)` directly, without
+    nn.Module.__call__'s hook dispatch on every call."""
     delattr(split_gm, name)
-    setattr(split_gm, name, fn if isinstance(fn, torch.nn.Module) else _CallableModule(fn))
+    if isinstance(fn, torch.nn.Module):
+        setattr(split_gm, name, fn)
+    else:
+        object.__setattr__(split_gm, name, fn)

@@ -36,9 +36,17 @@ def test_bench_gpu_skips_without_cuda():
 
 def test_bench_gpu_cpu_smoke_reports_every_variant_and_refusal():
     out = run_script("bench_gpu.py", "--cpu-smoke", "--quick", "--steps", "5", "--driver", "emulate",
-                     "--variants", "eager,cg-local-eager,cg-full-iteration")
+                     "--variants", "eager,cg-local-eager,cg-full-iteration,cg-local-eager+sizes")
     moe_table = out.split("\nmoe: ")[1].split("\n\n")[0]
     decode_table = out.split("\ndecode: ")[1].split("\n\n")[0]
+    varying_table = out.split("\ndecode-varying: ")[1].split("\n\n")[0]
+    assert "KV-cache" in decode_table and "batch changing every step" in varying_table
+    # capture_sizes rows run on both decode workloads and are refused for the MoE
+    assert re.search(r"^cg-local-eager\+sizes\s+n/a: ValueError: capture_sizes rows are for the decode", moe_table,
+                     re.M), moe_table
+    for table in (decode_table, varying_table):
+        m = re.search(r"cg-local-eager\+sizes stats: graphs_captured=(\d+), replays=(\d+), eager_fallbacks=0", table)
+        assert m and int(m[1]) > 0 and int(m[2]) > 0, table
     for table in (moe_table, decode_table):
         assert re.search(r"^eager\s+\d+\.\d+\s+1\.00x", table, re.M), table
         assert re.search(r"^cg-local-eager\s+\d+\.\d+\s+\d+\.\d+x", table, re.M), table
@@ -50,6 +58,8 @@ def test_bench_gpu_cpu_smoke_reports_every_variant_and_refusal():
         m = re.search(r"cg-local-eager stats: graphs_captured=(\d+), replays=(\d+), eager_fallbacks=0", table)
         assert m and int(m[1]) > 0 and int(m[2]) > 0, table
     goals = out.split("\ngoals\n")[1]
+    assert re.search(r"decode-varying step faster than reduce-overhead \(cg-local-eager\+sizes; speedup\)\s+-\s+n/a",
+                     goals)
     assert re.search(r"moe step >= 1\.5x eager \(cg-local-eager\)\s+\d+\.\d+x\s+(PASS|MISS)", goals)
     assert re.search(r"compile\+capture <= 1/3 of reduce-overhead's \(cg-local-eager\)\s+-\s+n/a", goals)
 
@@ -92,6 +102,16 @@ def test_goal_rows_verdicts():
     assert verdicts["decode compile+capture <= 1/3 of reduce-overhead's (cg-local-eager)"] == ("-", "n/a")
     assert verdicts["decode step within 1.1x of its GPU-busy bound (cg-local-eager)"] == ("1.05x", "PASS")
     assert not any("cg-local-inductor" in text for text in verdicts)  # only variants that ran
+    results["decode"]["cg-local-inductor"] = R("i", step_ms=1.2, busy_ms=1.0)
+    results["decode"]["reduce-overhead"] = R("r", step_ms=1.0)
+    results["decode"]["cg-full-iteration"] = R("f", step_ms=1.0, busy_ms=1.0)
+    results["decode-varying"] = {"reduce-overhead": R("r", step_ms=3.0), "cg-local-eager+sizes": R("s", step_ms=1.0)}
+    verdicts = {text: (value, verdict) for text, value, verdict in bench.goal_rows(results)}
+    assert verdicts["decode step no slower than reduce-overhead (cg-local-inductor; speedup)"] == ("0.83x", "MISS")
+    assert verdicts["decode step within 1.1x of its GPU-busy bound (cg-local-inductor)"] == ("1.20x", "MISS")
+    assert verdicts["decode step within 1.1x of its GPU-busy bound (cg-full-iteration)"] == ("1.00x", "PASS")
+    assert verdicts["decode-varying step faster than reduce-overhead (cg-local-eager+sizes; speedup)"] == \
+        ("3.00x", "PASS")
 
 
 def test_bench_cpu_quick_table():

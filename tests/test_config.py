@@ -82,6 +82,8 @@ def test_defaults():
     assert (config.cuda_graph_warmup_steps, config.min_partition_ops, config.max_graphs_per_partition) == (3, 2, 8)
     assert config.inner_compiler is InnerCompiler.EAGER and config.driver is Driver.AUTO
     assert (config.strict_modules, config.strict, config.clone_outputs, config.verify) == (False, False, True, 0)
+    assert config.capture_sizes == ()
+    assert CudaGraphConfig(capture_sizes=[8, 1, 4, 4]).capture_sizes == (1, 4, 8)  # sorted, deduplicated
     assert dict(config.te) == {} and config.migrations == ()
 
 
@@ -466,6 +468,11 @@ def test_custom_module_names_must_be_identifiers(name):
         ({"min_partition_ops": 0}, ["min_partition_ops", ">= 1", "0"]),
         ({"max_graphs_per_partition": 0}, ["max_graphs_per_partition", ">= 1"]),
         ({"verify": -2}, ["verify", ">= 0", "-2"]),
+        ({"capture_sizes": [4, 0]}, ["capture_sizes", "[4, 0]", "positive batch sizes, e.g. [1, 2, 4, 8]"]),
+        ({"capture_sizes": 8}, ["capture_sizes", "got 8", "a list of positive batch sizes"]),
+        ({"capture_sizes": [1, 2.5]}, ["capture_sizes", "2.5"]),
+        ({"capture_sizes": [1, 2, 4], "max_graphs_per_partition": 2},
+         ["capture_sizes=[1, 2, 4]", "max_graphs_per_partition=2", "at least 3"]),
         ({"strict": "yes"}, ["strict", "'yes'", "True or False"]),
         ({"clone_outputs": 2}, ["clone_outputs", "2", "True or False"]),
         ({"enable_cuda_graph": "true"}, ["enable_cuda_graph", "'true'", "True or False"]),
@@ -540,7 +547,7 @@ def test_to_options_round_trip_and_json():
         "cuda_graph_impl": "local", "cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": "layer",
         "cuda_graph_warmup_steps": 3, "inner_compiler": "eager", "driver": "emulate", "min_partition_ops": 2,
         "max_graphs_per_partition": 8, "strict_modules": False, "strict": False, "clone_outputs": True,
-        "verify": 2, "te": {"fp8": True}, "dynamic_padding": "off", "dynamic_padding_buckets": [],
+        "verify": 2, "capture_sizes": [], "te": {"fp8": True}, "dynamic_padding": "off", "dynamic_padding_buckets": [],
     }
     assert all(type(v) is str for v in options["cuda_graph_modules"])
     assert type(options["cuda_graph_impl"]) is str

@@ -299,6 +299,13 @@ class _Walker:
             return None
         if base in _GATHER:
             return self._gather(node, name)
+        if base == "embedding":  # F.embedding(indices, weight): each index row picks table rows
+            return f"{name} looks up a table sized by {self.sym}" if self.carries.get(_arg(node, 1, "weight")) \
+                else None
+        if base == "scaled_dot_product_attention":
+            return self._attention(node, name)
+        if base == "index_copy":
+            return self._index_copy(node, name)
         if base in _DIM_OPS:
             return self._dim_op(node, base)
         if base in _LAST_DIMS:
@@ -331,6 +338,28 @@ class _Walker:
         before, after = self.dims_of(src), self.flow.dims.get(node, ())
         return (len(before) == len(after) == 1
                 and example_value(src).dim() - before[0] == example_value(node).dim() - after[0])
+
+    def _attention(self, node: fx.Node, name: str) -> Optional[str]:
+        """Attention is row-wise in its batch dims (all but the last two): the rows may not be keys (dim -2 of
+        k, v, the last dim of the mask) nor features (the last dim of q, k, v)."""
+        q, k, v = (_arg(node, i, n) for i, n in enumerate(("query", "key", "value")))
+        mask = _arg(node, 3, "attn_mask")
+        for tensor, last in ((q, 1), (k, 2), (v, 2), (mask, 1)):
+            if isinstance(tensor, fx.Node):
+                ndim = example_value(tensor).dim()
+                if any(d >= ndim - last for d in self.dims_of(tensor)):
+                    return f"{name} attends across the {self.sym} rows"
+        return None
+
+    def _index_copy(self, node: fx.Node, name: str) -> Optional[str]:
+        """`self.index_copy(dim, index, source)` writes every row at the same positions of another dim: row-wise
+        when the rows are not `dim`, the index carries none, and source has its rows where self has them."""
+        target, index, source = node.args[0], _arg(node, 2, "index"), _arg(node, 3, "source")
+        dim = _norm_dim(_arg(node, 1, "dim"), example_value(target).dim())
+        rows = self.dims_of(target)
+        if dim in rows or self.carries.get(index) or (isinstance(source, fx.Node) and self.dims_of(source) != rows):
+            return f"{name} moves the {self.sym} rows to other positions"
+        return None
 
     def _dim_op(self, node: fx.Node, base: str) -> Optional[str]:
         pos, default = _DIM_OPS[base]

@@ -311,7 +311,10 @@ class _Graph:
         inputs = captured.static_inputs
         self.param_ptrs = {i: inputs[i].data_ptr() for i, k in enumerate(kinds) if k is _PARAM}
         self.param_refs: Dict[int, weakref.ref] = {}  # the caller's parameter objects, to tell "moved" apart
-        self.checks = [(i, k) for i, k in enumerate(kinds) if k is not _OWNED]
+        # match() runs on every call: the expected address or value per position, computed once here.
+        self.param_checks = list(self.param_ptrs.items())
+        self.borrow_checks = [(i, inputs[i].data_ptr()) for i, k in enumerate(kinds) if k is _BORROWED]
+        self.const_checks = [(i, inputs[i]) for i, k in enumerate(kinds) if k is _CONST]
         self.copies = [i for i, k in enumerate(kinds) if k is _OWNED]
         self.copy_back: List[int] = []  # copied-in inputs the graph writes: the caller's tensor gets the result
         self.owned: Dict[int, List[int]] = {}  # storage ptr -> [storage handle, use count when idle]
@@ -369,16 +372,15 @@ class _Graph:
         """None if this graph can run `args`; else _MISMATCH (captured for other addresses, e.g. another
         layer's parameters when Dynamo reuses one compiled frame for every layer), or a reason string when
         one of *its own* static inputs has moved since capture (the graph is stale: re-capture it)."""
-        inputs = self.captured.static_inputs
-        for i, kind in self.checks:
+        for i, ptr in self.param_checks:
+            if args[i].data_ptr() != ptr:
+                return self.moved(i) or _MISMATCH
+        for i, ptr in self.borrow_checks:
+            if args[i].data_ptr() != ptr:
+                return _MISMATCH
+        for i, value in self.const_checks:
             arg = args[i]
-            if kind is _PARAM:
-                if arg.data_ptr() != self.param_ptrs[i]:
-                    return self.moved(i) or _MISMATCH
-            elif kind is _BORROWED:
-                if arg.data_ptr() != inputs[i].data_ptr():
-                    return _MISMATCH
-            elif isinstance(arg, torch.Tensor) or arg != inputs[i]:
+            if isinstance(arg, torch.Tensor) or arg != value:
                 return _MISMATCH
         return None
 
@@ -658,7 +660,7 @@ class _Partition:
         self.submod = submod
         self.name = name
         self.location = location
-        self.static_indices = tuple(static_input_indices)
+        self.static_indices = frozenset(static_input_indices)
         self.runtime = runtime
         self.config = runtime.config
         self.driver = driver
@@ -694,10 +696,17 @@ class _Partition:
         return self.container(out)
 
     def _key(self, args: Sequence[Any]) -> tuple:
-        """Graph-bank key: grad/inference/autocast mode, and per argument its metadata or value."""
+        """Graph-bank key: grad/inference/autocast mode, and per argument its metadata or value.
+
+        Parameters and buffers (the static indices) are left out: Dynamo's guards on the frame already fix
+        their shape, stride, dtype, device and requires_grad, and a decode step's partition takes a hundred of
+        them, so keying them would cost more host time per call than the rest of the replay path."""
         key: List[Any] = [torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-                          torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu")]
-        for arg in args:
+                          torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu"), len(args)]
+        static = self.static_indices
+        for index, arg in enumerate(args):
+            if index in static:
+                continue
             if isinstance(arg, torch.Tensor):
                 key.append((arg.shape, arg.stride(), arg.dtype, arg.device, arg.requires_grad))
             else:

@@ -20,10 +20,10 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-from . import dense_gpt, hf_style, mamba, mixtral, moe
+from . import dense_gpt, hf_style, kv_gpt, mamba, mixtral, moe
 from ._common import MAX_SEQ, VOCAB
 
-__all__ = ["MODELS", "ModelSpec", "VOCAB", "MAX_SEQ", "dense_gpt", "moe", "mamba", "hf_style", "mixtral"]
+__all__ = ["MODELS", "ModelSpec", "VOCAB", "MAX_SEQ", "dense_gpt", "kv_gpt", "moe", "mamba", "hf_style", "mixtral"]
 
 
 def _identity(model: nn.Module) -> nn.Module:

@@ -1,0 +1,121 @@
+"""KV-cache decode (tests/models/kv_gpt.py): the step plans as one captured graph in block scope, its cache
+writes go to buffers, and greedy decode matches eager token for token (emulate driver; CUDA in tests/gpu)."""
+
+import copy
+
+import pytest
+import torch
+
+import cgcompile
+from cgcompile.backend import record_plans
+from tests.models import kv_gpt
+
+OPTIONS = {"cuda_graph_impl": "local", "cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": "block"}
+STEPS = 16
+
+
+def decode_twins(device="cpu", **build):
+    model = kv_gpt.build(**build).to(device).eval()
+    return model, copy.deepcopy(model)
+
+
+def assert_decode_matches_eager(options, device="cpu", steps=STEPS, batch=4, exact=True):
+    model, reference = decode_twins(device)
+    (prompt,) = kv_gpt.example_inputs(batch=batch, seq=8, device=device)
+    compiled = torch.compile(kv_gpt.DecodeStep(model), backend="cudagraph_modules", options=options)
+    cgcompile.reset_stats()
+    with record_plans() as rec:
+        got = kv_gpt.generate(compiled, model, prompt, steps)
+    want = kv_gpt.generate(kv_gpt.DecodeStep(reference), reference, prompt, steps)
+    assert torch.equal(got, want)
+    tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-4, atol=1e-5)
+    for (name, cache), ref in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(cache, ref, msg=name, **tol)  # every cache write landed, once
+    return rec.graphs, cgcompile.stats()
+
+
+def test_decode_step_plans_as_one_captured_graph():
+    model, _ = decode_twins()
+    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+    with torch.no_grad():
+        token = kv_gpt.prefill(model, prompt)
+        plan = cgcompile.explain(kv_gpt.DecodeStep(model), token, torch.tensor([8]),
+                                 options=dict(OPTIONS, driver="emulate"))
+    (graph,) = plan.graphs
+    assert [p.kind for p in graph.partitions] == ["capture"]  # index_copy_ into cache buffers is capture-safe
+    assert graph.partitions[0].tags == ("attn", "mlp")
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_decode_matches_eager_over_16_steps(inner):
+    graphs, st = assert_decode_matches_eager(dict(OPTIONS, driver="emulate", inner_compiler=inner),
+                                             exact=inner == "eager")
+    (graph,) = graphs
+    assert len(graph.captured) == 1 and len(graph.partitions) == 1
+    warmup = 3
+    assert st["graphs_captured"] == 1 and st["eager_fallbacks"] == []
+    assert st["replays"] == STEPS - warmup  # the first replay is part of the capture call
+
+
+def test_full_iteration_decodes_like_eager():
+    _, st = assert_decode_matches_eager({"cuda_graph_impl": "full_iteration", "driver": "emulate"})
+    assert st["graphs_captured"] == 1 and st["eager_fallbacks"] == []
+
+
+def test_steady_decode_step_runs_nothing_outside_the_graph_but_input_copies(monkeypatch):
+    """Per call, outside the replayed graph: one copy per non-static input (token, input_pos), one detach for
+    the output handed out and its clone leaving the frame. The cache writes happen inside the graph (aot's
+    inference epilogue would copy every written cache buffer eagerly after it), for both inner compilers."""
+    from cgcompile._compat import TorchDispatchMode
+    from cgcompile.backend import cudagraph_modules
+    from cgcompile.runtime.driver import _EmulatedGraph
+
+    class OutsideReplay(TorchDispatchMode):
+        inside = False
+
+        def __init__(self):
+            super().__init__()
+            self.ops = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not OutsideReplay.inside:
+                self.ops[str(func)] = self.ops.get(str(func), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    replay = _EmulatedGraph.replay
+
+    def flagged_replay(self):
+        OutsideReplay.inside = True
+        try:
+            return replay(self)
+        finally:
+            OutsideReplay.inside = False
+
+    monkeypatch.setattr(_EmulatedGraph, "replay", flagged_replay)
+    counters = []
+
+    def counting_backend(gm, example_inputs, options=None):
+        frame = cudagraph_modules(gm, example_inputs, options=options)
+
+        def run(*args):
+            if not counters:
+                return frame(*args)
+            with counters[-1]:
+                return frame(*args)
+        return run
+
+    for inner in ("eager", "inductor"):
+        torch._dynamo.reset()
+        model, _ = decode_twins()
+        (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+        options = dict(OPTIONS, driver="emulate", inner_compiler=inner)
+        step = torch.compile(kv_gpt.DecodeStep(model), backend=lambda gm, ex: counting_backend(gm, ex, options))
+        pos = kv_gpt.positions(model.max_seq)
+        with torch.no_grad():
+            token = kv_gpt.prefill(model, prompt)
+            for i in range(5):  # warmup, capture, replays
+                token = step(token, pos[8 + i])
+            counters.append(OutsideReplay())
+            step(token, pos[13])
+        assert counters.pop().ops == {"aten.copy_.default": 2, "aten.detach.default": 1,
+                                      "aten.clone.default": 1}, inner
