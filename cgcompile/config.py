@@ -648,6 +648,9 @@ def _parse_buckets(value: Any) -> tuple[int, ...]:
     sizes = tuple(_parse_int("dynamic_padding_buckets", item, 1) for item in value)
     if any(b <= a for a, b in zip(sizes, sizes[1:])):
         raise ConfigError(f"dynamic_padding_buckets must be strictly increasing, got {list(sizes)}")
+    return sizes
+
+
 def _parse_capture_sizes(value: Any, max_graphs: Any) -> tuple[int, ...]:
     """A list or tuple of positive batch sizes -> sorted, deduplicated tuple (one graph each)."""
     form = "a list of positive batch sizes, e.g. [1, 2, 4, 8]"
