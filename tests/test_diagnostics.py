@@ -96,7 +96,7 @@ Dynamo graph breaks (1), each runs in Python between graphs:
         first = eager["reasons"][0]
         self.assertEqual((first["category"], first["op"], first["module"]), ("dynamic_shape", "torch.nonzero", "layers.0.moe"))
         self.assertEqual(first["location"], f"{os.path.abspath(__file__)}:{Moe.forward.__code__.co_firstlineno + 1}")
-        self.assertIn("nonzero_static", first["hint"])
+        self.assertIn("dynamic_padding='max'", first["hint"])  # this loop could be padded exactly
         (brk,) = data["graph_breaks"]
         self.assertEqual(brk["location"], f"{os.path.abspath(__file__)}:{Net.forward.__code__.co_firstlineno + 2}")
 
@@ -104,7 +104,7 @@ Dynamo graph breaks (1), each runs in Python between graphs:
         text = full_iteration_error(make_plan().graphs[0]).replace(os.path.abspath(__file__), "<file>")
         self.assertExpectedInline(text, """\
 cuda_graph_impl='full_iteration' needs the whole step in one graph, but graph 0 has 1 op(s) that cannot be captured:
-  dynamic_shape torch.nonzero at <file>:34 in layers.0.moe -- use a static-shape form (torch.nonzero_static, output_size=, or pad each group to a fixed capacity)
+  dynamic_shape torch.nonzero at <file>:34 in layers.0.moe -- set dynamic_padding='max' (no host sync) or 'buckets' to capture the rows it selects; the padding is exact
   (and 8 op(s) whose shapes depend on their results)
 Fix them, or use cuda_graph_impl='local' to capture around them.""")
 
@@ -117,7 +117,7 @@ Fix them, or use cuda_graph_impl='local' to capture around them.""")
         debug = [r.getMessage() for r in logs.records if r.levelno == logging.DEBUG]
         self.assertEqual(len(info), 1)
         self.assertEqual(info[0].splitlines()[0], str(plan).splitlines()[1])
-        self.assertExpectedInline(debug[0].replace(os.path.abspath(__file__), "<file>"), """graph 0 node nonzero: dynamic_shape torch.nonzero at <file>:34 in layers.0.moe: output shape depends on tensor data (u0); hint: use a static-shape form (torch.nonzero_static, output_size=, or pad each group to a fixed capacity)""")
+        self.assertExpectedInline(debug[0].replace(os.path.abspath(__file__), "<file>"), """graph 0 node nonzero: dynamic_shape torch.nonzero at <file>:34 in layers.0.moe: output shape depends on tensor data (u0); hint: set dynamic_padding='max' (no host sync) or 'buckets' to capture the rows it selects; the padding is exact""")
 
     def test_backend_logs_once_per_graph(self):
         logger = logging.getLogger("cgcompile")

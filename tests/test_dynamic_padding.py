@@ -147,9 +147,9 @@ def test_plan_table_shows_padded_partitions():
                                       options=_options("buckets", dynamic_padding_buckets=[4, 8])))
     assert_expected_inline("\n".join(table.splitlines()[2:6]), """\
 id  kind     tags                                module        ops  first reason
- 0  eager    -                                   embed           1  too_small: F.embedding at moe.py:194
- 1  capture  attn+moe+moe_router+moe_preprocess  layers.0       38  -
- 2  eager    moe                                 layers.0.moe    2  host_sync: torch.nonzero at moe.py:148""")
+ 0  capture  attn+moe+moe_router+moe_preprocess  -              39  -
+ 1  eager    moe                                 layers.0.moe    2  host_sync: torch.nonzero at moe.py:148
+ 2  capture  moe                                 layers.0.moe   14  padded buckets: 1 producer, <= 16 rows, buckets 4,8""")
     assert "padded buckets: 1 producer, <= 16 rows, buckets 4,8" in table
 
 

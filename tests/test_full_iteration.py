@@ -36,7 +36,7 @@ def test_moe_with_in_graph_dispatch_lists_the_blocking_line_with_hint():
     text = str(info.value)
     (line,) = moe.dispatch_lines("mask")
     assert "cuda_graph_impl='full_iteration' needs the whole step in one graph" in text
-    assert f"dynamic_shape torch.nonzero at {moe.SOURCE_FILE}:{line} in layers.0.moe -- use a static-shape form" in text
+    assert f"dynamic_shape torch.nonzero at {moe.SOURCE_FILE}:{line} in layers.0.moe -- set dynamic_padding='max'" in text
     assert "op(s) whose shapes depend on their results" in text
 
 

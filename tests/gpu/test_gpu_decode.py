@@ -5,7 +5,7 @@ import torch
 
 from tests.test_decode import OPTIONS, assert_decode_matches_eager
 
-pytestmark = [pytest.mark.cuda,
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
