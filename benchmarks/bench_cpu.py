@@ -169,11 +169,15 @@ def bench_padding(layers: int, warmup: int, steps: int) -> dict:
         model = SPEC.make(num_layers=layers)
         run = model if mode == "eager" else torch.compile(model, backend=OURS, options={
             "driver": "emulate", "dynamic_padding": mode, "cuda_graph_warmup_steps": 1})
-        for seed in range(warmup):
+        def step(seed):  # a training step as torch's optimizers expect it: grads cleared to None after it
             SPEC.loss(run, SPEC.example_inputs(seed=seed)[0]).backward()
+            model.zero_grad(set_to_none=True)
+
+        for seed in range(warmup):
+            step(seed)
         with HostOpCounter() as counter:
             for seed in range(warmup, warmup + steps):
-                SPEC.loss(run, SPEC.example_inputs(seed=seed)[0]).backward()
+                step(seed)
         results[mode] = (counter.ops / steps, counter.syncs / steps, counter.replays / steps)
     return results
 

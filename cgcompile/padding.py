@@ -9,9 +9,12 @@ therefore add exactly zero to every output and every gradient (the backward of a
 is again a select, index_add or gather over the same rows).
 
 - "max": `nonzero_static(size=numel)` plus a device-side count: no host sync at all.
-- "buckets": `cgcompile::nonzero_bucketed` reads the count on the host once (as eager nonzero does) and pads to
+- "buckets": `cgcompile::nonzero_bucketed` reads a count on the host once (as eager nonzero does) and pads to
   the next bucket; the rows' size is then known when the next partition starts, so it is captured once per
-  bucket (a size the graph bank keys on, like a backed dynamic size).
+  bucket (a size the graph bank keys on, like a backed dynamic size). Producers whose masks are ready before
+  the first of them runs (a MoE layer's expert loop: `mask[e]` of one routing result) are hoisted into one
+  call that reads only their largest count and pads all of them to its bucket: one host read per layer, one
+  eager island, and one graph per bucket for the whole expert loop instead of one per expert and size.
 A producer that cannot be padded keeps its eager island, with a `not_paddable` finding naming the op that
 prevents it. With dynamic_padding "off" nothing is rewritten, but paddable producers are marked so the plan
 can say that padding would capture them.
@@ -28,11 +31,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .config import CudaGraphConfig, DynamicPadding
-from .passes.common import (NOT_PADDABLE, PADDABLE, PADDED, Finding, compute_nodes, example_value, node_location,
-                            node_module_path, op_name)
+from .passes.common import (NOT_PADDABLE, PADDABLE, PADDED, Finding, compute_nodes, example_value, has_tag,
+                            input_unbacked_symbols, node_location, node_module_path, op_name, unbacked_symbols)
 from .passes.row_flow import RowFlow, op_key, row_flow
 
 __all__ = ["Padding", "bucket_for", "nonzero_bucketed", "pad_dynamic_rows"]
@@ -47,8 +49,14 @@ class Padding:
     mode: str
     bound: int
     buckets: Tuple[int, ...] = ()
-    origin: str = ""  # "torch.nonzero at file:line"
+    op: str = ""  # the producer's op, as plans name ops ("torch.nonzero")
+    location: str = ""  # its user file:line
     producer: str = ""  # the producer's node name: one loop line makes several producers
+    group: int = 1  # "buckets": how many producers share its host read and bucket
+
+    @property
+    def origin(self) -> str:
+        return f"{self.op} at {self.location or '?'}"
 
 
 # --- the bucketed producer -----------------------------------------------------------------------------------
@@ -67,17 +75,22 @@ def bucket_for(count: int, bound: int, buckets: Sequence[int]) -> int:
 
 
 @torch.library.custom_op("cgcompile::nonzero_bucketed", mutates_args=())
-def nonzero_bucketed(x: torch.Tensor, buckets: List[int]) -> torch.Tensor:
-    """torch.nonzero(x) padded with zero rows to bucket_for(count): one host read of the count, as nonzero."""
-    found = torch.nonzero(x)
-    size = bucket_for(found.shape[0], x.numel(), buckets)
-    return torch.cat([found, found.new_zeros(size - found.shape[0], found.shape[1])])
+def nonzero_bucketed(masks: List[torch.Tensor], buckets: List[int]) -> List[torch.Tensor]:
+    """torch.nonzero of each mask, padded with zero rows to one common size: the bucket of the largest count.
+    One host read (the largest count), as one eager nonzero; the per-mask work stays on the device."""
+    if all(m.shape == masks[0].shape for m in masks):
+        counts = torch.stack(masks).flatten(1).count_nonzero(1)
+    else:
+        counts = torch.stack([m.count_nonzero() for m in masks])
+    largest = int(counts.max())  # the host read
+    size = bucket_for(largest, max(m.numel() for m in masks), buckets)
+    return [torch.nonzero_static(m, size=size, fill_value=0) for m in masks]
 
 
 @nonzero_bucketed.register_fake
-def _(x: torch.Tensor, buckets: List[int]) -> torch.Tensor:
-    rows = torch.library.get_ctx().new_dynamic_size()
-    return x.new_empty((rows, x.dim()), dtype=torch.long)
+def _(masks: List[torch.Tensor], buckets: List[int]) -> List[torch.Tensor]:
+    rows = torch.library.get_ctx().new_dynamic_size()  # one size for all: one graph per bucket downstream
+    return [m.new_empty((rows, m.dim()), dtype=torch.long) for m in masks]
 
 
 BUCKETED_OP = torch.ops.cgcompile.nonzero_bucketed.default
@@ -95,15 +108,7 @@ class _Producer:
 
 
 def _new_unbacked(node: fx.Node) -> set:
-    def syms(value):
-        try:
-            return set(free_unbacked_symbols(value))
-        except Exception:
-            return set()
-    known = set()
-    for arg in node.all_input_nodes:
-        known |= syms(example_value(arg))
-    return syms(example_value(node)) - known
+    return unbacked_symbols(example_value(node), input_unbacked_symbols(node))
 
 
 def _producer(node: fx.Node) -> Optional[_Producer]:
@@ -147,7 +152,83 @@ def _not_paddable(producer: _Producer, blocker: Finding) -> Finding:
                    detail=f"{op_name(node)} at {node_location(node) or '?'} stays eager: {blocker.detail}")
 
 
-def _rewrite(gm: fx.GraphModule, producer: _Producer, flow: RowFlow, padding: Padding) -> None:
+_IN_PLACE_OPERATORS = frozenset({"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand",
+                                  "ior", "ixor", "ilshift", "irshift", "imatmul"})
+
+
+def _writes(node: fx.Node) -> bool:
+    name = op_key(node)
+    return ((name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_OPERATORS
+            or "out" in node.kwargs)
+
+
+def _root(node: fx.Node) -> fx.Node:
+    """The tensor a chain of views/indexing starts from (what an in-place write to it would change)."""
+    while node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], fx.Node) \
+            and op_key(node) in ("getitem", "select", "view", "reshape", "squeeze", "unsqueeze", "permute",
+                                 "transpose", "flatten", "narrow", "expand", "t", "__getitem__"):
+        node = node.args[0]
+    return node
+
+
+def _hoistable(producer: _Producer, first: fx.Node, position: Dict[fx.Node, int]) -> Optional[List[fx.Node]]:
+    """The nodes computing producer's mask that come after `first` (in order), if they can all run before it:
+    pure, not random, not data-dependent, and reading nothing written in between; else None."""
+    start, end = position[first], position[producer.node]
+    chain, stack, seen = [], [producer.source], set()
+    while stack:
+        node = stack.pop()
+        if node in seen or position.get(node, -1) < start:
+            continue
+        seen.add(node)
+        if node.op not in ("call_function", "call_method") or _writes(node) or _new_unbacked(node) \
+                or has_tag(node, torch.Tag.nondeterministic_seeded):
+            return None
+        chain.append(node)
+        stack.extend(node.all_input_nodes)
+    written = {_root(n.args[0]) for n in list(position)[start:end] if _writes(n) and n.args
+               and isinstance(n.args[0], fx.Node)}
+    if any(_root(arg) in written for node in chain for arg in node.all_input_nodes):
+        return None
+    return sorted(chain, key=position.__getitem__)
+
+
+def _bucket_groups(gm: fx.GraphModule, producers: List[_Producer]) -> List[List[_Producer]]:
+    """Split the (graph-ordered) bucketed producers into runs that can share one host read: each joins the
+    current run when its mask can be computed before the run's first producer."""
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    groups: List[List[_Producer]] = []
+    for producer in producers:
+        if groups and _hoistable(producer, groups[-1][0].node, position) is not None:
+            groups[-1].append(producer)
+        else:
+            groups.append([producer])
+    return groups
+
+
+def _read_buckets(gm: fx.GraphModule, group: List[_Producer], paddings: List[Padding]) -> List[Tuple[Any, Any]]:
+    """Hoist the group's masks before its first producer and read them all with one nonzero_bucketed call;
+    returns each producer's (padded rows, common size)."""
+    graph = gm.graph
+    first = group[0].node
+    for producer in group[1:]:
+        position = {node: i for i, node in enumerate(graph.nodes)}
+        for node in _hoistable(producer, first, position) or ():
+            first.prepend(node)
+    buckets = list(paddings[0].buckets)
+    with graph.inserting_before(first):
+        call = _copy_meta(graph.call_function(BUCKETED_OP, ([p.source for p in group], buckets)), first,
+                          paddings[0])
+        rows = [_copy_meta(graph.call_function(operator.getitem, (call, i)), p.node, padding)
+                for i, (p, padding) in enumerate(zip(group, paddings))]
+        size = _copy_meta(graph.call_function(torch.ops.aten.sym_size.int, (rows[0], 0)), first, paddings[0])
+    return [(r, size) for r in rows]
+
+
+def _rewrite(gm: fx.GraphModule, producer: _Producer, flow: RowFlow, padding: Padding,
+             read: Optional[Tuple[Any, Any]] = None) -> None:
+    """Replace one producer by padded rows (`read`: its bucketed rows and size; else nonzero_static to the
+    bound) and mask every sink it feeds."""
     graph = gm.graph
     node, source = producer.node, producer.source
     ndim = example_value(source).dim()
@@ -157,9 +238,8 @@ def _rewrite(gm: fx.GraphModule, producer: _Producer, flow: RowFlow, padding: Pa
         return _copy_meta(graph.create_node(op, target, tuple(args), kwargs or {}), like, padding)
 
     with graph.inserting_before(node):
-        if padding.mode == DynamicPadding.BUCKETS.value:
-            rows = new("call_function", BUCKETED_OP, (source, list(padding.buckets)))
-            size = new("call_function", torch.ops.aten.sym_size.int, (rows, 0))
+        if read is not None:
+            rows, size = read
         else:
             rows = new("call_function", torch.nonzero_static, (source,), {"size": padding.bound, "fill_value": 0})
             size = padding.bound
@@ -213,7 +293,7 @@ def pad_dynamic_rows(gm: fx.GraphModule, config: CudaGraphConfig) -> Dict[str, P
         return {}
     mode = config.dynamic_padding
     flows = [(producer, row_flow(gm, producer.symbol, allow_sinks=True)) for producer in producers]
-    done: Dict[str, Padding] = {}
+    todo: List[Tuple[_Producer, RowFlow, int]] = []
     for producer, flow in flows:  # every flow is found on the unchanged graph, then the rewrites run
         bound = example_value(producer.source).numel()
         if flow.ok and not isinstance(bound, int):
@@ -226,10 +306,18 @@ def pad_dynamic_rows(gm: fx.GraphModule, config: CudaGraphConfig) -> Dict[str, P
         if mode == DynamicPadding.OFF:
             producer.node.meta[PADDABLE] = True
             continue
-        padding = Padding(mode.value, bound, tuple(config.dynamic_padding_buckets),
-                          f"{op_name(producer.node)} at {node_location(producer.node) or '?'}", producer.node.name)
-        done[producer.node.name] = padding
-        _rewrite(gm, producer, flow, padding)
+        todo.append((producer, flow, bound))
+    flow_of = {id(p): (f, bound) for p, f, bound in todo}
+    groups = _bucket_groups(gm, [p for p, _, _ in todo]) if mode == DynamicPadding.BUCKETS else \
+        [[p] for p, _, _ in todo]
+    done: Dict[str, Padding] = {}
+    for group in groups:
+        paddings = [Padding(mode.value, flow_of[id(p)][1], tuple(config.dynamic_padding_buckets), op_name(p.node),
+                            node_location(p.node) or "", p.node.name, len(group)) for p in group]
+        reads = _read_buckets(gm, group, paddings) if mode == DynamicPadding.BUCKETS else [None] * len(group)
+        for producer, padding, read in zip(group, paddings, reads):
+            done[producer.node.name] = padding
+            _rewrite(gm, producer, flow_of[id(producer)][0], padding, read)
     if done:
         gm.graph.lint()
         gm.recompile()

@@ -111,6 +111,73 @@ def test_forward_backward_parity_and_held_gradient_buffers():
     assert s["graphs_captured"] == 2 and s["replays"] == 6  # fwd+bwd captured at step 1, replayed at 2, 3
 
 
+def _step(model, p, ref, x, zero=True):
+    """One training step of partition p (wrapping model) and of ref on the same input; grads compared."""
+    p(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert_close(a.grad, b.grad)
+    if zero:
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+
+
+def test_cleared_grads_are_stolen_and_kept_grads_stay_exact():
+    """A loop that clears grads gets them as the backward graph's memory (no clone per parameter); once a
+    loop keeps them (accumulation, set_to_none=False) the graph copies again and every grad stays exact."""
+    ref, model = twins()
+    rt = runtime()
+    p = partition(model, rt)
+    for step in range(4):
+        p(torch.randn(5, 6)).pow(2).sum().backward()
+        stolen = [rt.is_static(a.grad) for a in model.parameters()]
+        model.zero_grad(set_to_none=True)
+    assert all(stolen)  # grads cleared before two replays in a row: AccumulateGrad kept the graph's outputs
+    for step in range(3):  # accumulation: the first micro-step's grads are held through the second
+        for micro in range(2):
+            x = torch.randn(5, 6)
+            p(x).pow(2).sum().backward()
+            ref(x).pow(2).sum().backward()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            assert_close(a.grad, b.grad)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    for step in range(3):  # grads zeroed in place: they stay allocated between steps
+        _step(model, p, ref, torch.randn(5, 6), zero=False)
+        model.zero_grad(set_to_none=False)
+        ref.zero_grad(set_to_none=False)
+    assert not any(rt.is_static(a.grad) for a in model.parameters())
+    assert stats()["replays"] > 10 and not stats()["eager_fallbacks"]
+
+
+def test_stolen_grads_held_keep_earlier_shared_pool_graphs_from_replaying():
+    """The second partition's grads live in its backward graph's memory; an earlier graph of the same pool
+    must not replay (its temporaries may overlap that memory) while they are held."""
+    ref_a, a = twins(seed=1)
+    ref_b, b = twins(seed=2)
+    rt = runtime()
+    first, second = partition(a, rt, "first"), partition(b, rt, "second")
+
+    def run(x):
+        return second(first(x)).pow(2).sum()
+
+    for step in range(4):
+        x = torch.randn(5, 6)
+        run(x).backward()
+        ref_b(ref_a(x)).pow(2).sum().backward()
+        if step < 3:
+            for m in (a, b, ref_a, ref_b):
+                m.zero_grad(set_to_none=True)
+    assert all(rt.is_static(q.grad) for q in b.parameters())  # stolen, and held into the next step
+    x = torch.randn(5, 6)
+    run(x).backward()
+    ref_b(ref_a(x)).pow(2).sum().backward()
+    for m, r in ((a, ref_a), (b, ref_b)):
+        for q, q_ref in zip(m.parameters(), r.parameters()):
+            assert_close(q.grad, q_ref.grad)
+    assert len(next(iter(first.bank.values())).forward.graphs) == 2  # instance 0 waited for the grads
+
+
 def test_parameters_are_not_copied_and_inputs_are():
     model = MLP()
     rt = runtime()

@@ -28,9 +28,9 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from .common import Finding, compute_nodes, example_value, node_location, node_module_path, op_name, short_location
+from .common import (Finding, compute_nodes, example_value, input_unbacked_symbols, node_location, node_module_path,
+                     op_name, short_location, unbacked_symbols)
 
 _NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d"})
 _WAIT_OPS = frozenset({"wait_tensor"})
@@ -74,13 +74,6 @@ def is_wait(node: fx.Node) -> bool:
     return is_collective(node) and name in _WAIT_OPS
 
 
-def _unbacked(value) -> set:
-    try:
-        return set(free_unbacked_symbols(value))
-    except Exception:  # values that carry no shapes (None, strings, dtypes, process groups)
-        return set()
-
-
 def _flat(values: Iterable) -> Iterable:
     for value in values:
         if isinstance(value, (list, tuple)):
@@ -96,13 +89,7 @@ def _symbol_origins(gm: fx.GraphModule) -> Dict[object, fx.Node]:
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
-        out = _unbacked(example_value(node))
-        if not out:
-            continue
-        seen = set()
-        for arg in node.all_input_nodes:
-            seen |= _unbacked(example_value(arg))
-        for sym in out - seen:
+        for sym in unbacked_symbols(example_value(node), input_unbacked_symbols(node)):
             origins.setdefault(sym, node)
     return origins
 
@@ -117,9 +104,9 @@ def _size_args(node: fx.Node) -> Iterable:
 
 def _data_symbols(node: fx.Node) -> set:
     """Unbacked symbols in the collective's arguments (split sizes, input shapes) and its output shape."""
-    symbols = _unbacked(example_value(node))
+    symbols = unbacked_symbols(example_value(node))
     for arg in _flat(list(node.args) + list(node.kwargs.values())):
-        symbols |= _unbacked(example_value(arg) if isinstance(arg, fx.Node) else arg)
+        symbols |= unbacked_symbols(example_value(arg) if isinstance(arg, fx.Node) else arg)
     return symbols
 
 

@@ -174,14 +174,43 @@ def is_bucketed_producer(node: fx.Node) -> bool:
     return getattr(node.target, "name", lambda: "")() == "cgcompile::nonzero_bucketed"
 
 
+def bucketed_read(node: fx.Node) -> Optional[fx.Node]:
+    """The bucketed producer call that `node` is part of: the call itself, one of its results (getitem), or
+    the read of their common row count (sym_size), which binds the size symbol. They stay together, eager."""
+    for _ in range(3):
+        if is_bucketed_producer(node):
+            return node
+        if node.op != "call_function" or node.target not in (operator.getitem, torch.ops.aten.sym_size.int) \
+                or not node.args or not isinstance(node.args[0], fx.Node):
+            return None
+        node = node.args[0]
+    return None
+
+
+def unbacked_symbols(value: Any, known: Any = frozenset()) -> set:
+    """The unbacked symbols (data-dependent sizes) in a fake value's shapes, minus `known`."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    try:
+        return set(free_unbacked_symbols(value)) - set(known)
+    except Exception:  # values that carry no shapes (None, strings, dtypes)
+        return set()
+
+
+def input_unbacked_symbols(node: fx.Node, known: Any = frozenset()) -> set:
+    """The unbacked symbols the node's inputs carry (minus `known`): what it did not create itself."""
+    symbols: set = set()
+    for arg in node.all_input_nodes:
+        symbols |= unbacked_symbols(example_value(arg), known)
+    return symbols
+
+
 def bucketed_symbols(gm: fx.GraphModule) -> set:
     """Row counts of bucketed producers: known once their (eager) producer ran, so the partitions after it are
     captured once per bucket, like backed sizes."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
     symbols: set = set()
     for node in compute_nodes(gm):
         if is_bucketed_producer(node):
-            symbols |= set(free_unbacked_symbols(example_value(node)))
+            symbols |= unbacked_symbols(example_value(node))
     return symbols
 
 

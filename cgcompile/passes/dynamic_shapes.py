@@ -11,28 +11,14 @@ from typing import Dict, List
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .common import (NOT_PADDABLE, PADDABLE, Finding, bucketed_symbols, compute_nodes, example_value, finding, has_tag,
-                     is_bucketed_producer, is_scalar_input_read, scalar_input_symbols)
+                     input_unbacked_symbols, is_bucketed_producer, is_scalar_input_read, scalar_input_symbols,
+                     unbacked_symbols)
 
 _ORIGIN_HINT = "use a static-shape form (torch.nonzero_static, output_size=, or pad each group to a fixed capacity)"
 _PADDABLE_HINT = ("set dynamic_padding='max' (no host sync) or 'buckets' to capture the rows it selects; "
                   "the padding is exact")
-
-
-def _unbacked(value, known: set) -> set:
-    try:
-        return set(free_unbacked_symbols(value)) - known
-    except Exception:  # values that carry no shapes (None, strings, dtypes)
-        return set()
-
-
-def _input_symbols(node: fx.Node, known: set) -> set:
-    symbols: set = set()
-    for arg in node.all_input_nodes:
-        symbols |= _unbacked(example_value(arg), known)
-    return symbols
 
 
 def find_data_dependent_shapes(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
@@ -45,11 +31,11 @@ def find_data_dependent_shapes(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding
             continue
         if NOT_PADDABLE in node.meta:
             found[node] = [node.meta[NOT_PADDABLE]]
-            for sym in _unbacked(example_value(node), known) - _input_symbols(node, known):
+            for sym in unbacked_symbols(example_value(node), known) - input_unbacked_symbols(node, known):
                 origin_of.setdefault(sym, node)
             continue
-        out_symbols = _unbacked(example_value(node), known)
-        in_symbols = _input_symbols(node, known)
+        out_symbols = unbacked_symbols(example_value(node), known)
+        in_symbols = input_unbacked_symbols(node, known)
         new_symbols = out_symbols - in_symbols
         for sym in new_symbols:
             origin_of.setdefault(sym, node)

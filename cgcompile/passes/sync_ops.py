@@ -7,10 +7,9 @@ from typing import Dict, List
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from .common import (PADDED, Finding, compute_nodes, example_value, finding, has_tag, is_bucketed_producer,
-                     is_scalar_input_read)
+from .common import (PADDED, Finding, bucketed_read, compute_nodes, example_value, finding, has_tag,
+                     input_unbacked_symbols, is_scalar_input_read, unbacked_symbols)
 
 _SCALAR_METHODS = {
     "item": "keep the value on the device as a 0-d tensor (e.g. torch.where instead of a Python if)",
@@ -47,13 +46,8 @@ def _produces_unbacked_scalar(node: fx.Node) -> bool:
     scalars = [v for v in values if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))]
     if not scalars:
         return False
-    known = set()
-    for arg in node.all_input_nodes:
-        try:
-            known |= set(free_unbacked_symbols(example_value(arg)))
-        except Exception:
-            continue
-    return any(set(free_unbacked_symbols(v)) - known for v in scalars)
+    known = input_unbacked_symbols(node)
+    return any(unbacked_symbols(v, known) for v in scalars)
 
 
 def find_host_syncs(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
@@ -61,13 +55,15 @@ def find_host_syncs(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
     for node in compute_nodes(gm):
         if is_scalar_input_read(node):
             continue  # reported by scalar_inputs.py: a host number known on entry, not a device read
-        # the bucketed producer and the read of its row count (which binds the size symbol) stay together
-        producer = node.args[0] if node.target is torch.ops.aten.sym_size.int else node
-        if isinstance(producer, fx.Node) and is_bucketed_producer(producer):
-            found[node] = [finding(producer, "host_sync", op=producer.meta[PADDED].origin.split(" at ")[0],
+        producer = bucketed_read(node)
+        if producer is not None:
+            padding = producer.meta[PADDED]
+            what = (f"the largest of {padding.group} selected row counts" if padding.group > 1
+                    else "the selected row count")
+            found[node] = [finding(producer, "host_sync", op=padding.op,
                                    hint="dynamic_padding='max' needs no host read at all",
-                                   detail="dynamic_padding='buckets' reads the selected row count on the host "
-                                          "once and pads it to the next bucket")]
+                                   detail=f"dynamic_padding='buckets' reads {what} on the host once and pads "
+                                          f"to the next bucket")]
             continue
         name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
         if node.op == "call_method" and name in _SCALAR_METHODS:

@@ -15,15 +15,19 @@ from .driver import REPLAY_RANGE
 
 __all__ = ["HostOpCounter", "SYNC_OPS"]
 
-# aten ops that read device data on the host (size or value), and our bucketed producer
+# aten ops that read device data on the host (size or value)
 SYNC_OPS = frozenset({"aten::nonzero", "aten::_local_scalar_dense", "aten::masked_select", "aten::unique",
                       "aten::_unique2", "aten::unique_consecutive", "aten::bincount", "aten::equal",
-                      "aten::is_nonzero", "aten::repeat_interleave", "cgcompile::nonzero_bucketed"})
+                      "aten::is_nonzero", "aten::repeat_interleave", "aten::item"})
+
+# our own ops: not kernels themselves; the aten ops they run are counted (and their host read is a sync)
+CONTAINER_OPS = frozenset({"cgcompile::nonzero_bucketed"})
 
 
-# view and metadata ops: no kernel runs, so they cost no launch (the runtime hands outputs out as detach() aliases)
+# view, metadata and allocation ops: no kernel runs, so they cost no launch (the runtime hands outputs out as
+# detach() aliases)
 VIEW_OPS = frozenset("aten::" + name for name in (
-    "detach", "alias", "view", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "slice", "select",
+    "new_empty", "new_empty_strided", "sym_size", "detach", "alias", "view", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "slice", "select",
     "unsqueeze", "squeeze", "transpose", "permute", "expand", "t", "unbind", "split", "split_with_sizes", "chunk",
     "narrow", "lift_fresh", "empty", "empty_strided", "empty_like", "resolve_conj", "resolve_neg", "view_as",
     "_to_copy_view", "flatten", "unflatten", "numpy_T", "contiguous"))
@@ -46,15 +50,15 @@ class HostOpCounter:
             if event.name == REPLAY_RANGE:
                 self.replays += 1
                 continue
-            if not _is_op(event.name) or event.name in VIEW_OPS or _inside(event, REPLAY_RANGE) \
-                    or _has_op_parent(event):
+            if not _is_op(event.name) or event.name in VIEW_OPS or event.name in CONTAINER_OPS \
+                    or _inside(event, REPLAY_RANGE) or _has_op_parent(event):
                 continue
             self.ops += 1
             self.syncs += event.name in SYNC_OPS
 
 
 def _is_op(name: str) -> bool:
-    return name.startswith("aten::") or name.startswith("cgcompile::nonzero")
+    return name.startswith("aten::")
 
 
 def _inside(event, name: str) -> bool:

@@ -22,8 +22,15 @@ captures and replays it through the driver. The buffer rules, in one place:
 - A backward graph belongs to one forward instance: autograd hands the backward the very alias objects the
   forward replay returned (they carry their graph), else memory only that instance owns identifies it; it
   is captured at that instance's first backward. Since a busy instance never replays, an instance has at
-  most one pending backward. Backward outputs are returned as the held static tensors themselves: since we
-  keep a reference, AccumulateGrad cannot steal one as `param.grad` and copies or adds instead.
+  most one pending backward.
+- Backward outputs: returned as the held static tensors themselves, AccumulateGrad cannot steal one as
+  `param.grad` and clones it (a kernel per parameter per step, which eager does not pay). So once a backward
+  graph has seen its parameters' grads cleared (`zero_grad(set_to_none=True)`) before two replays in a row,
+  it hands out aliases instead, which AccumulateGrad steals: `param.grad` is then the graph's memory, and the
+  graph (with its forward instance, and under the pool rule every earlier shared-pool graph) stays busy until
+  the grads are released. A loop that keeps grads (accumulation, `set_to_none=False`) never gets there, and
+  one that keeps them after stealing began turns stealing off for that graph (the call that found the grads
+  held takes another instance or runs eagerly).
 - Inputs the graph itself writes (Inductor keeps some input mutations in its graphs) are restored after
   capture, which runs the graph once, and copied back to the caller's tensor after each replay.
 
@@ -196,10 +203,9 @@ class ModelRuntime:
         of each lender's use count is exactly the references the new graph keeps (its held inputs, outputs
         that view them, and anything those keep alive) and goes into the lender's idle baseline.
         """
-        if graph.tracks_busy:
-            for ptr, sid in graph.owned_storages():
-                graph.owned[ptr] = [sid, 0]
-                self._owners[ptr] = graph
+        for ptr, sid in graph.owned_storages():
+            graph.owned[ptr] = [sid, 0]
+            self._owners[ptr] = graph
         for ptr, (lender, sid, before) in lenders.items():
             if lender.captured is not None and ptr in lender.owned:
                 kept = _compat.storage_use_count(sid) - before
@@ -248,10 +254,11 @@ class ModelRuntime:
         """Pool rule (see class docstring): no later-captured shared-pool graph may be busy."""
         if graph.shared_index is None:
             return True
+        free = True
         for later in self._shared[graph.shared_index + 1:]:
-            if later is not None and later.tracks_busy and later.busy():
-                return False
-        return True
+            if later is not None and (later.blocked_by_grads() or later.busy()):
+                free = False  # no early exit: every graph holding stolen grads stops handing them out
+        return free
 
     def note_replay(self, graph: "_Graph") -> None:
         graph.replays += 1
@@ -307,7 +314,6 @@ class _Graph:
         self.kinds = kinds
         self.param_storages = param_storages
         self.capture_seconds = capture_seconds
-        self.tracks_busy = family.kind != "backward"  # backward outputs are consumed at once by autograd
         inputs = captured.static_inputs
         self.param_ptrs = {i: inputs[i].data_ptr() for i, k in enumerate(kinds) if k is _PARAM}
         self.param_refs: Dict[int, weakref.ref] = {}  # the caller's parameter objects, to tell "moved" apart
@@ -324,6 +330,8 @@ class _Graph:
         self.handed: List[weakref.ref] = []  # the aliases the last replay handed out
         self.free = False  # seen idle since its last replay: stays so until the next replay (see busy())
         self.bw: Optional[_Graph] = None  # a forward instance's backward graph
+        self.cleared_streak = 0  # backward: replays in a row that found the parameters' grads cleared
+        self.steal = False  # backward: hand out aliases that AccumulateGrad may keep as param.grad
 
     def memory(self) -> Dict[str, int]:
         """Bytes this graph holds: its pool reservation, its copied-in input buffers, its own outputs."""
@@ -393,6 +401,16 @@ class _Graph:
             return f"static input {i} moved (parameter or buffer re-allocated)"
         return None
 
+    def blocked_by_grads(self) -> bool:
+        """Is this (backward) graph busy because grads it let AccumulateGrad steal are still held? Then it
+        stops handing out stealable aliases: this loop keeps its grads."""
+        if self.steal and self.busy():
+            self.steal, self.cleared_streak = False, 0
+            log.debug("cgcompile: %s: gradients kept across steps; backward outputs are copied from now on",
+                      self.family.part.describe())
+            return True
+        return False
+
     def replay(self, args: Sequence[Any], runtime: ModelRuntime, alias: bool) -> List[Any]:
         inputs = self.captured.static_inputs
         with torch.no_grad():
@@ -405,12 +423,13 @@ class _Graph:
             for i in self.copy_back:
                 if args[i].data_ptr() != inputs[i].data_ptr():
                     args[i].copy_(inputs[i])
+            self.handed = []
             if alias:
                 outputs = [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
-                self.handed = []
                 for out in outputs:
                     if isinstance(out, torch.Tensor):
-                        out._cgcompile_graph = self  # lets the backward find its forward instance
+                        if self.family.kind != "backward":
+                            out._cgcompile_graph = self  # lets the backward find its forward instance
                         self.handed.append(weakref.ref(out))
         _count("replays")
         runtime.note_replay(self)
@@ -488,6 +507,8 @@ class _Family:
             verdict = graph.match(args)  # first: cheapest, and fails fast for other layers' instances
             if verdict is _MISMATCH or graph.busy() or not runtime.may_replay(graph):
                 continue
+            if graph.bw is not None and (graph.bw.blocked_by_grads() or graph.bw.busy()):
+                continue
             if verdict is None:
                 return graph.replay(args, runtime, alias=True)
             if stale is None:
@@ -535,9 +556,23 @@ class _Family:
             except Exception as exc:
                 self.part.fail(f"capturing its backward graph failed: {type(exc).__name__}: {exc}")
                 return self.run(args)
-        elif not runtime.may_replay(instance.bw) or instance.bw.match(args) is not None:
-            return self.run(args)
-        return instance.bw.replay(args, runtime, alias=False)
+        elif (instance.bw.busy() or not runtime.may_replay(instance.bw)
+              or instance.bw.match(args) is not None):
+            return self.run(args)  # e.g. a second backward through the same forward (retain_graph)
+        bw = instance.bw
+        if self._grads_cleared(instance):
+            bw.cleared_streak += 1
+            bw.steal = bw.steal or bw.cleared_streak >= 2
+        else:
+            bw.cleared_streak, bw.steal = 0, False
+        return bw.replay(args, runtime, alias=bw.steal)
+
+    @staticmethod
+    def _grads_cleared(instance: _Graph) -> bool:
+        """Are the grads of the parameters this instance reads unset, as after zero_grad(set_to_none=True)?
+        Checked before the backward replays, i.e. before AccumulateGrad runs for them."""
+        params = [ref() for ref in instance.param_refs.values()]
+        return all(p is None or p.grad is None for p in params)
 
     def instance_for(self, backward_args: Sequence[Any]) -> Optional[_Graph]:
         """The forward instance that produced these saved tensors, if any.
