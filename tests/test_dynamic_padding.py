@@ -14,7 +14,7 @@ from cgcompile.backend import record_plans
 from cgcompile.padding import bucket_for
 from cgcompile.passes.row_flow import row_flow
 from cgcompile.runtime.host_ops import HostOpCounter
-from tests.models import MODELS, mixtral
+from tests.models import MODELS
 
 PADDED_MODELS = ["moe_mask", "mixtral", "qwen_moe"]
 STEPS = 6
@@ -93,10 +93,10 @@ def test_grad_accumulation_and_train_eval_switch_with_max():
                 torch.testing.assert_close(compiled(tokens), reference(tokens), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen_moe"])
+@pytest.mark.parametrize("name", PADDED_MODELS)
 def test_rows_mixed_by_a_mean_stay_eager_with_not_paddable(name):
     spec = MODELS[name]
-    model = spec.prepare(mixtral.build(shared_expert=name == "qwen_moe", row_mixing=True))
+    model = spec.make(row_mixing=True)
     reference = copy.deepcopy(model)
     (tokens,) = spec.example_inputs()
     with torch._dynamo.config.patch(spec.dynamo_flags()):
@@ -106,11 +106,13 @@ def test_rows_mixed_by_a_mean_stay_eager_with_not_paddable(name):
     reasons = [r for g in plan.graphs for p in g.partitions if not p.captured for r in p.reasons
                if r.category == "not_paddable"]
     assert len(reasons) == 2  # one eager island per layer (its 4 experts share the reason's line)
-    where = _line_of(mixtral.__file__, "# MIXTRAL: where")
-    mean = _line_of(mixtral.__file__, "# MIXTRAL: mean")
+    source = spec.module.__file__
+    op, where = ("torch.nonzero", "# DISPATCH(mask): nonzero") if name == "moe_mask" else \
+        ("torch.where", "# MIXTRAL: where")
+    mean = _line_of(source, "# ROW_MIXING: mean" if name == "moe_mask" else "# MIXTRAL: mean")
     first = reasons[0]
-    assert (first.op, first.location) == ("Tensor.mean", f"{mixtral.__file__}:{mean}")
-    assert first.detail.startswith(f"torch.where at {mixtral.__file__}:{where} stays eager: mean combines the")
+    assert (first.op, first.location) == ("Tensor.mean", f"{source}:{mean}")
+    assert first.detail.startswith(f"{op} at {source}:{_line_of(source, where)} stays eager: mean combines the")
     assert "sum the rows (masked)" in first.hint
     assert not any(p.padding for g in plan.graphs for p in g.partitions if p.captured)
 

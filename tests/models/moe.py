@@ -13,6 +13,8 @@ routing mask, combine weights and tokens-per-expert counts) have static shapes o
   counts from MoEPreprocess instead (static length E), leaving .tolist() as the only data-dependent origin.
 
 Both compute out[t] = sum_k w[t, k] * expert_{id[t, k]}(x[t]) and differ only in summation order.
+`row_mixing=True` (mask dispatch) subtracts each expert's mean over its selected tokens: the selected rows then
+mix, so dynamic_padding cannot pad them exactly (the non-paddable variant).
 Each data-dependent line carries a trailing marker comment naming the dispatch style and the op kind, so
 `dispatch_lines()` can hand tests the exact line numbers a plan should cite.
 """
@@ -123,7 +125,8 @@ class Expert(nn.Module):
 @cgcompile.tag("moe")
 class MoE(nn.Module):
     def __init__(self, d_model: int, num_experts: int = NUM_EXPERTS, top_k: int = TOP_K,
-                 hidden: int | None = None, dispatch: str = "mask", sort_counts: str = "bincount"):
+                 hidden: int | None = None, dispatch: str = "mask", sort_counts: str = "bincount",
+                 row_mixing: bool = False):
         super().__init__()
         if dispatch not in DISPATCH_STYLES:
             raise ValueError(f"dispatch must be one of {DISPATCH_STYLES}, got {dispatch!r}")
@@ -131,6 +134,7 @@ class MoE(nn.Module):
             raise ValueError(f"sort_counts must be one of {SORT_COUNTS}, got {sort_counts!r}")
         self.dispatch = dispatch
         self.sort_counts = sort_counts
+        self.row_mixing = row_mixing
         self.num_experts = num_experts
         self.top_k = top_k
         self.router = Router(d_model, num_experts, top_k)
@@ -147,6 +151,8 @@ class MoE(nn.Module):
             for e, expert in enumerate(self.experts):
                 idx = torch.nonzero(mask[:, e]).squeeze(-1)  # DISPATCH(mask): nonzero
                 y = expert(h[idx])  # DISPATCH(mask): gather
+                if self.row_mixing:
+                    y = y - y.mean(0)  # ROW_MIXING: mean
                 out.index_add_(0, idx, y * combine[idx, e].unsqueeze(-1))  # DISPATCH(mask): combine
         else:
             flat_ids = ids.reshape(-1)
@@ -166,12 +172,12 @@ class MoE(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, d_model: int, n_heads: int, dispatch: str, num_experts: int, top_k: int,
-                 sort_counts: str = "bincount"):
+                 sort_counts: str = "bincount", row_mixing: bool = False):
         super().__init__()
         self.attn_norm = RMSNorm(d_model)
         self.attn = SelfAttention(d_model, n_heads)
         self.moe_norm = RMSNorm(d_model)
-        self.moe = MoE(d_model, num_experts, top_k, dispatch=dispatch, sort_counts=sort_counts)
+        self.moe = MoE(d_model, num_experts, top_k, dispatch=dispatch, sort_counts=sort_counts, row_mixing=row_mixing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -182,10 +188,10 @@ class Block(nn.Module):
 class MoETransformer(nn.Module):
     def __init__(self, num_layers: int = 2, d_model: int = D_MODEL, n_heads: int = N_HEADS,
                  vocab: int = VOCAB, dispatch: str = "mask", num_experts: int = NUM_EXPERTS, top_k: int = TOP_K,
-                 sort_counts: str = "bincount"):
+                 sort_counts: str = "bincount", row_mixing: bool = False):
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model)
-        self.layers = nn.ModuleList(Block(d_model, n_heads, dispatch, num_experts, top_k, sort_counts)
+        self.layers = nn.ModuleList(Block(d_model, n_heads, dispatch, num_experts, top_k, sort_counts, row_mixing)
                                     for _ in range(num_layers))
         self.norm = RMSNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab, bias=False)
