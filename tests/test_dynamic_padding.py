@@ -2,6 +2,7 @@
 
 import copy
 import linecache
+import logging
 
 import pytest
 import torch
@@ -11,7 +12,9 @@ from expecttest import assert_expected_inline
 import cgcompile
 from cgcompile import reset_stats, stats
 from cgcompile.backend import record_plans
-from cgcompile.padding import bucket_for
+from cgcompile.config import CudaGraphConfig
+from cgcompile.padding import bucket_for, pad_dynamic_rows
+from cgcompile.passes.common import is_bucketed_producer
 from cgcompile.passes.row_flow import row_flow
 from cgcompile.runtime.host_ops import HostOpCounter
 from tests.models import MODELS
@@ -73,12 +76,13 @@ def test_padded_experts_are_captured_and_train_like_eager(name, mode):
     assert stats()["replays"] > 0 and not stats()["eager_fallbacks"]
 
 
-def test_grad_accumulation_and_train_eval_switch_with_max():
+@pytest.mark.parametrize("mode", ["max", "buckets"])
+def test_grad_accumulation_and_train_eval_switch(mode):
     spec = MODELS["mixtral"]
     model = spec.make()
     reference = copy.deepcopy(model)
     with torch._dynamo.config.patch(spec.dynamo_flags()):
-        compiled = torch.compile(model, backend="cudagraph_modules", options=_options("max"))
+        compiled = torch.compile(model, backend="cudagraph_modules", options=_options(mode))
         _train_like_eager(spec, model, compiled, reference, steps=3, accumulate=2)  # fwd, bwd, fwd, bwd
         (tokens,) = spec.example_inputs(seed=7)
         first, second = compiled(tokens), compiled(spec.example_inputs(seed=8)[0])  # fwd, fwd, then both bwd
@@ -150,7 +154,7 @@ def test_plan_table_shows_padded_partitions():
     assert_expected_inline("\n".join(table.splitlines()[2:6]), """\
 id  kind     tags                                module        ops  first reason
  0  capture  attn+moe+moe_router+moe_preprocess  -              39  -
- 1  eager    moe                                 layers.0.moe    2  host_sync: torch.nonzero at moe.py:148
+ 1  eager    moe                                 layers.0.moe    2  host_sync: torch.nonzero at moe.py:152
  2  capture  moe                                 layers.0       58  padded buckets: 4 producers, <= 16 rows, buckets 4,8""")
     assert "host_sync: torch.nonzero" in table.splitlines()[4]  # one host read for the 4 experts
 
@@ -173,6 +177,63 @@ def test_padding_cuts_host_ops_and_syncs():
     assert counts["eager"].syncs == 2 * 4 and counts["max"].syncs == 0
     assert counts["max"].ops * 5 < counts["eager"].ops
     assert counts["max"].replays > 0
+
+
+def test_bucket_bank_overflow_runs_eagerly_logged_and_counted(caplog):
+    """More bucket sizes than max_graphs_per_partition: the overflow runs eagerly (exactly), once logged."""
+    spec = MODELS["moe_mask"]
+    model = spec.make(num_layers=1)
+    reference = copy.deepcopy(model)
+    options = _options("buckets", dynamic_padding_buckets=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
+                       max_graphs_per_partition=1)
+    with torch._dynamo.config.patch(spec.dynamo_flags()), caplog.at_level(logging.WARNING, "cgcompile"):
+        compiled = torch.compile(model, backend="cudagraph_modules", options=options)
+        reset_stats()
+        _train_like_eager(spec, model, compiled, reference, steps=STEPS)
+    overflows = [f for f in stats()["eager_fallbacks"] if "max_graphs_per_partition=1" in f["reason"]]
+    assert overflows and stats()["replays"] > 0
+    logged = [r for r in caplog.records if "max_graphs_per_partition=1 reached" in r.getMessage()]
+    assert len(logged) == len({f["partition"] for f in overflows})  # once per partition
+
+
+def _padded_graph(fn, *inputs, mode="buckets"):
+    """Dynamo's graph of fn, rewritten by pad_dynamic_rows; its bucketed reads (each a list of masks)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+    (gm,) = graphs
+    pad_dynamic_rows(gm, CudaGraphConfig.from_options({"dynamic_padding": mode}))
+    reads = [n for n in gm.graph.nodes if is_bucketed_producer(n)]
+    return gm, [len(n.args[0]) for n in reads]
+
+
+def _experts(x, masks, between=None):
+    out = torch.zeros_like(x)
+    for e in range(3):
+        idx = torch.nonzero(masks[e]).squeeze(-1)
+        out.index_add_(0, idx, torch.tanh(x[idx]) * (e + 1))
+        if between is not None:
+            masks = between(masks, out)
+    return out
+
+
+@pytest.mark.parametrize("between, groups", [
+    (None, [3]),  # every mask is ready before the first expert: one host read
+    (lambda m, out: m, [3]),
+    (lambda m, out: m.logical_not_(), [1, 1, 1]),  # a mask written between experts: cannot be read early
+    (lambda m, out: m & (out.sum(1) > 0), [1, 1, 1]),  # the next mask depends on the previous expert
+])
+def test_bucketed_producers_share_one_host_read_only_when_their_masks_are_ready(between, groups):
+    x, masks = torch.randn(6, 3), torch.rand(3, 6) > 0.5
+    expected = _experts(x, masks.clone(), between)
+    gm, found = _padded_graph(lambda x, m: _experts(x, m, between), x, masks.clone())
+    assert found == groups
+    torch.testing.assert_close(gm(x, masks.clone())[0], expected, rtol=0, atol=0)
 
 
 def test_bucket_for_rounds_up_within_the_bound():

@@ -36,17 +36,20 @@ VIEW_OPS = frozenset("aten::" + name for name in (
 class HostOpCounter:
     """`with HostOpCounter() as c: step()` -> c.ops (top-level aten ops that run a kernel, outside graph
     replays; views and metadata ops are free and not counted), c.syncs
-    (those among them that read device data on the host), c.replays (graph replays)."""
+    (those among them that read device data on the host), c.replays (graph replays), c.flops (the profiler's
+    FLOP estimate of the matmuls, inside replays or not: what padding adds to the compute)."""
 
     def __enter__(self) -> "HostOpCounter":
-        self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True)
         self._profile.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._profile.__exit__(*exc)
-        self.ops = self.syncs = self.replays = 0
+        self.ops = self.syncs = self.replays = self.flops = 0
         for event in self._profile.events():
+            if event.flops and not _has_flops_parent(event):
+                self.flops += event.flops
             if event.name == REPLAY_RANGE:
                 self.replays += 1
                 continue
@@ -74,6 +77,15 @@ def _has_op_parent(event) -> bool:
     parent = event.cpu_parent
     while parent is not None:
         if _is_op(parent.name):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def _has_flops_parent(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.flops:
             return True
         parent = parent.cpu_parent
     return False
