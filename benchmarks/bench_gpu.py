@@ -1,19 +1,48 @@
 """GPU benchmark: cgcompile's partial CUDA graphs against eager, Inductor and Inductor's reduce-overhead.
 
 Launch-bound workloads, each run under every variant:
-  moe:    one training step (forward + backward, no optimizer) of the tiny-model MoE from tests/models/moe.py
-          built at 8 layers, d=512, 8 experts top-2, bf16, small batch; mask dispatch (torch.nonzero per
-          expert, data-dependent), so a whole-step graph is impossible and capture must be partial.
-  decode: one greedy decode step (torch.no_grad) of the KV-cache GPT from tests/models/kv_gpt.py at 8 layers,
-          d=512, bf16, fixed batch: static cache in buffers written in place at a tensor position (gpt-fast
-          style), after an eager prefill.
+  moe:       one training step (forward + backward, no optimizer) of the tiny-model MoE from tests/models/moe.py
+             built at 8 layers, d=512, 8 experts top-2, bf16, small batch, with NEW tokens every step (a pool of
+             --token-pool different batches, built on the device up front and cycled, as training feeds them):
+             the routing, so every expert's row count, changes each step. Mask dispatch (torch.nonzero per
+             expert, data-dependent), so without dynamic_padding a whole-step graph is impossible.
+  moe-fixed: the same step on one fixed batch (the routing, hence every row count, repeats each step).
+  mixtral:   the same kind of step on a Hugging Face Mixtral-style model (tests/models/mixtral.py: float softmax
+             router, top-2, `torch.where(expert_mask[e])` expert loop, index_add_), same sizes, new tokens
+             every step; tagged with tag_modules like a model whose source cannot be edited.
+  decode:    one greedy decode step (torch.no_grad) of the KV-cache GPT from tests/models/kv_gpt.py at 8 layers,
+             d=512, bf16, fixed batch: static cache in buffers written in place at a tensor position (gpt-fast
+             style), after an eager prefill.
   decode-varying: the same step with a batch that changes every step (1..--max-batch), as a server sees it.
 Variants: eager, inductor (torch.compile default), reduce-overhead (torch.compile mode="reduce-overhead"),
 cg-local-eager / cg-local-inductor (backend="cudagraph_modules", cuda_graph_impl="local", inner_compiler eager /
-inductor), the same with "+sizes" (option capture_sizes: the batch padded to 1, 2, 4, ... up to the largest
-batch; decode workloads only) and cg-full-iteration (whole-step capture; it refuses the MoE, which prints
-"n/a: <why>"). Compiled variants use Dynamo's automatic dynamic shapes (a changing batch recompiles once with
-a symbolic batch; reduce-overhead then records a graph per batch size).
+inductor, the workload's recommended cuda_graph_modules), the same with "+sizes" (option capture_sizes: the
+batch padded to 1, 2, 4, ... up to the largest batch; decode workloads only, refused for the MoE workloads),
+"+max" / "+buckets" (option dynamic_padding; cuda_graph_modules left empty, i.e. every capture-safe span: the
+expert loop is untagged in both MoE models, so a module list would leave it eager; MoE workloads only, refused
+for decode, which has no data-dependent index op), cg-full-iteration (whole-step capture; it refuses the MoE
+workloads, which print "n/a: <why>") and cg-full-iteration+max (whole-step capture with dynamic_padding="max":
+the MoE step becomes one graph). There is no cg-local-inductor+buckets: every bucket of every expert would be
+an Inductor compile. Compiled variants use Dynamo's automatic dynamic shapes (a changing batch recompiles once
+with a symbolic batch; reduce-overhead then records a graph per batch size). Timed steps follow the compile
+calls and a settle phase (for new-token workloads one pass over the token pool, so "+buckets" has met the
+pool's bucket sizes once); each variant starts at the pool's first batch.
+
+Columns: step ms (median; CUDA events around each step), speedup vs eager / reduce-overhead, compile+capture
+(the first calls' wall time), peak MiB (max_memory_allocated above the variant's start), GPU busy ms (device
+kernel + memcpy + memset time per step under torch.profiler) and, from the same profiled steps, per step:
+  host launches: on CUDA, CUDA runtime/driver API calls on the host that launch device work outside graph
+      launches (names containing LaunchKernel, LaunchCooperativeKernel, Memcpy or Memset: cudaLaunchKernel,
+      cuLaunchKernel, cudaLaunchKernelExC, cudaMemcpyAsync, cudaMemsetAsync, ...); kernels inside a replayed
+      graph make no such call. On CPU (--cpu-smoke) the proxy of cgcompile.runtime.host_ops: top-level aten ops
+      that run a kernel, outside the emulate driver's replays (Inductor's generated CPU kernels are not aten
+      ops, so the proxy undercounts the inductor variants).
+  graph launches: on CUDA, cudaGraphLaunch calls (names containing GraphLaunch); on CPU, emulated replays.
+  host syncs: on both, top-level aten ops outside graph replays that read device data on the host, themselves
+      or through an op they call (host_ops.SYNC_OPS: nonzero, _local_scalar_dense i.e. .item(), unique,
+      cgcompile's bucketed nonzero, ...). Runtime-level synchronize calls are not counted.
+Each table names the definition its counts used. Goals are judged only on CUDA (the CPU smoke run prints the
+measured ratio with verdict n/a).
 
     python benchmarks/bench_gpu.py             # on a CUDA machine; prints "skipped: no CUDA" and exits 0 elsewhere
     python benchmarks/bench_gpu.py --quick     # fewer timed steps
@@ -41,11 +70,15 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import cgcompile  # noqa: E402
-from tests.models import kv_gpt, moe  # noqa: E402
+from cgcompile.runtime import host_ops  # noqa: E402
+from tests.models import MODELS as TEST_MODELS  # noqa: E402
+from tests.models import kv_gpt  # noqa: E402
 
+PADDED_VARIANTS = ("cg-local-eager+max", "cg-local-eager+buckets", "cg-local-inductor+max", "cg-full-iteration+max")
 VARIANTS = ("eager", "inductor", "reduce-overhead", "cg-local-eager", "cg-local-inductor", "cg-full-iteration",
-            "cg-local-eager+sizes", "cg-local-inductor+sizes")
-MODELS = ("moe", "decode", "decode-varying")
+            "cg-local-eager+sizes", "cg-local-inductor+sizes") + PADDED_VARIANTS
+MODELS = ("moe", "moe-fixed", "mixtral", "decode", "decode-varying")
+NEW_TOKEN_MOE = ("moe", "mixtral")  # the workloads issue 11's goals are about
 COMPILE_CALLS = 5  # covers cgcompile's default 3 warmup steps + capture, and reduce-overhead's warmup + record
 
 
@@ -60,6 +93,8 @@ class Workload:
     local_options: dict
     dynamo_flags: dict
     capture_sizes: Optional[List[int]] = None  # for the "+sizes" variants (decode workloads only)
+    paddable: bool = False  # the "+max" / "+buckets" variants apply (MoE workloads only)
+    settle_steps: int = 3  # untimed steps between the compile calls and the timed ones
 
 
 @dataclasses.dataclass
@@ -70,25 +105,42 @@ class Result:
     step_ms: Optional[float] = None
     peak_mib: Optional[float] = None
     busy_ms: Optional[float] = None
+    launches: Optional[float] = None  # per step; see the module docstring for what is counted where
+    graph_launches: Optional[float] = None
+    syncs: Optional[float] = None
+    profile_error: Optional[str] = None  # the profiled pass failed: its columns stay "-", the timings stand
     stats: Optional[dict] = None
 
 
-def moe_workload(args, device, dtype) -> Workload:
-    model = moe.build(num_layers=args.layers, dispatch="mask", d_model=args.d_model, n_heads=args.heads,
-                      num_experts=args.experts, top_k=2).to(device=device, dtype=dtype)
-    (tokens,) = moe.example_inputs(batch=args.batch, seq=args.seq, device=device)
+def moe_workload(args, device, dtype, name: str = "moe") -> Workload:
+    """A MoE training step. "moe" / "moe-fixed": tests/models/moe.py (mask dispatch), new tokens every step /
+    one batch; "mixtral": the HF-style tests/models/mixtral.py, new tokens every step. The spec in
+    tests/models supplies build + tags, the loss, the recommended modules and the Dynamo flags."""
+    spec = TEST_MODELS["mixtral" if name == "mixtral" else "moe_mask"]
+    sizes = dict(num_layers=args.layers, n_heads=args.heads, num_experts=args.experts, top_k=2)
+    sizes["hidden" if name == "mixtral" else "d_model"] = args.d_model
+    model = spec.make(**sizes).to(device=device, dtype=dtype)
+    varying = name != "moe-fixed"
+    pool = [spec.example_inputs(batch=args.batch, seq=args.seq, seed=seed, device=device)[0]
+            for seed in range(args.token_pool if varying else 1)]
 
     def make_step(fn):
+        state = {"i": 0}  # per variant: every variant sees the same sequence of batches
+
         def step():
-            moe.loss(fn, tokens).backward()
+            tokens = pool[state["i"] % len(pool)]
+            state["i"] += 1
+            spec.loss(fn, tokens).backward()
             model.zero_grad(set_to_none=True)
         return step
 
-    title = (f"moe: training step (fwd+bwd), {args.layers} layers, d={args.d_model}, {args.experts} experts top-2, "
-             f"{str(dtype).replace('torch.', '')}, tokens ({args.batch}, {args.seq}), mask dispatch")
-    return Workload("moe", title, model, make_step,
-                    {"cuda_graph_impl": "local", "cuda_graph_modules": ["attn", "moe_router", "moe_preprocess"]},
-                    {"capture_dynamic_output_shape_ops": True})
+    what = ("Mixtral-style sparse MoE block (float softmax router, top-2, torch.where(expert_mask[e]) loop)"
+            if name == "mixtral" else "mask dispatch")
+    feed = f"new tokens every step (pool of {len(pool)} batches)" if varying else "the same tokens every step"
+    title = (f"{name}: training step (fwd+bwd), {args.layers} layers, d={args.d_model}, {args.experts} experts "
+             f"top-2, {str(dtype).replace('torch.', '')}, tokens ({args.batch}, {args.seq}), {feed}, {what}")
+    return Workload(name, title, model, make_step, spec.options(), spec.dynamo_flags(), paddable=True,
+                    settle_steps=max(3, len(pool)))
 
 
 def decode_workload(args, device, dtype, varying: bool = False) -> Workload:
@@ -126,6 +178,27 @@ def decode_workload(args, device, dtype, varying: bool = False) -> Workload:
                      "inference_cuda_graph_scope": "block"}, {}, capture_sizes=sizes)
 
 
+def variant_options(name: str, workload: Workload, driver: str) -> dict:
+    """The cgcompile options of a "cg-..." variant: base (local-eager / local-inductor / full-iteration) plus an
+    optional "+sizes" / "+max" / "+buckets" suffix."""
+    base, _, suffix = name.partition("+")
+    if suffix in ("max", "buckets") and not workload.paddable:
+        raise ValueError("dynamic_padding rows are for the MoE workloads (decode has no data-dependent index op)")
+    if base == "cg-full-iteration":
+        options = {"cuda_graph_impl": "full_iteration", "driver": driver}
+    elif suffix in ("max", "buckets"):  # every capture-safe span: the untagged expert loop is what padding frees
+        options = {"cuda_graph_impl": "local", "inner_compiler": base.rsplit("-", 1)[1], "driver": driver}
+    else:
+        options = dict(workload.local_options, inner_compiler=base.rsplit("-", 1)[1], driver=driver)
+    if suffix == "sizes":
+        if not workload.capture_sizes:
+            raise ValueError("capture_sizes rows are for the decode workloads")
+        options["capture_sizes"] = workload.capture_sizes
+    elif suffix in ("max", "buckets"):
+        options["dynamic_padding"] = suffix
+    return options
+
+
 def build_variant(name: str, workload: Workload, driver: str) -> Callable:
     module = workload.module
     if name == "eager":
@@ -134,16 +207,7 @@ def build_variant(name: str, workload: Workload, driver: str) -> Callable:
         return torch.compile(module)
     if name == "reduce-overhead":
         return torch.compile(module, mode="reduce-overhead")
-    if name == "cg-full-iteration":
-        options = {"cuda_graph_impl": "full_iteration", "driver": driver}
-    else:
-        inner = name.split("+")[0].rsplit("-", 1)[1]
-        options = dict(workload.local_options, inner_compiler=inner, driver=driver)
-    if name.endswith("+sizes"):
-        if not workload.capture_sizes:
-            raise ValueError("capture_sizes rows are for the decode workloads")
-        options["capture_sizes"] = workload.capture_sizes
-    return torch.compile(module, backend="cudagraph_modules", options=options)
+    return torch.compile(module, backend="cudagraph_modules", options=variant_options(name, workload, driver))
 
 
 def error_line(exc: BaseException) -> str:
@@ -195,9 +259,23 @@ def mark_step() -> None:
     torch.compiler.cudagraph_mark_step_begin()
 
 
-def gpu_busy_ms(step: Callable[[], None], n: int) -> Optional[float]:
-    """Sum of device activity (kernels, memcpy, memset) per step under torch.profiler: the step's lower bound."""
-    from torch.autograd import DeviceType
+LAUNCH_MARKERS = ("LaunchKernel", "LaunchCooperativeKernel", "Memcpy", "Memset")  # runtime/driver API names
+COUNT_DEFINITIONS = {
+    True: "CUDA runtime/driver API calls under torch.profiler (launches: *LaunchKernel*/*Memcpy*/*Memset* outside "
+          "graph launches; graph launches: *GraphLaunch*); syncs: top-level aten ops reaching host_ops.SYNC_OPS",
+    False: "CPU proxy, cgcompile.runtime.host_ops (launches: top-level aten kernel ops outside emulated replays; "
+           "graph launches: emulated replays; syncs: those ops reaching host_ops.SYNC_OPS)",
+}
+
+
+def is_launch_call(name: str) -> bool:
+    """A host-side CUDA runtime/driver call that starts device work on its own (not a graph launch). Matched by
+    substring: the exact names (cudaLaunchKernel, cudaLaunchKernelExC, cuLaunchKernelEx, ...) vary by version."""
+    return name.startswith("cu") and "GraphLaunch" not in name and any(m in name for m in LAUNCH_MARKERS)
+
+
+def cuda_profile(step: Callable[[], None], n: int) -> tuple:
+    """One torch.profiler pass over n steps -> cuda_counts of its events."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -206,8 +284,35 @@ def gpu_busy_ms(step: Callable[[], None], n: int) -> Optional[float]:
             mark_step()
             step()
         torch.cuda.synchronize()
-    total_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
-    return total_us / n / 1e3 if total_us > 0 else None  # None: the profiler saw no device activity
+    return cuda_counts(prof.events(), n)
+
+
+def cuda_counts(events, n: int) -> tuple:
+    """Per step (GPU busy ms or None, host launches, graph launches, host syncs) from profiler events of n steps
+    (see the module docstring for what each counts). Device-side events (kernels, and memcpy/memset named
+    "Memcpy HtoD ...") only add to busy time."""
+    from torch.autograd import DeviceType
+
+    busy_us = launches = graphs = 0
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            busy_us += e.time_range.elapsed_us()
+        elif "GraphLaunch" in e.name:
+            graphs += 1
+        elif is_launch_call(e.name):
+            launches += 1
+    _, syncs, _ = host_ops.count_events(events)
+    busy = busy_us / n / 1e3 if busy_us > 0 else None  # None: the profiler saw no device activity
+    return busy, launches / n, graphs / n, syncs / n
+
+
+def cpu_counts(step: Callable[[], None], n: int) -> tuple:
+    """The CPU proxy over n steps -> per step (host kernel ops, emulated graph replays, host syncs)."""
+    with host_ops.HostOpCounter() as counter:
+        for _ in range(n):
+            mark_step()
+            step()
+    return counter.ops / n, counter.replays / n, counter.syncs / n
 
 
 def cleanup(cuda: bool) -> None:
@@ -238,11 +343,18 @@ def run_variant(name: str, workload: Workload, args, clock: Clock) -> Result:
                 step()
             clock.sync()
             result.compile_s = time.perf_counter() - start
-            clock.step_times_ms(step, 3)  # settle
+            clock.step_times_ms(step, workload.settle_steps)
             result.step_ms = statistics.median(clock.step_times_ms(step, args.steps))
             if clock.cuda:
                 result.peak_mib = (torch.cuda.max_memory_allocated() - start_bytes) / 2**20
-                result.busy_ms = gpu_busy_ms(step, args.profile_steps)
+            try:  # never run on this torch/CUDA before: a profiler problem must not hide the timings
+                if clock.cuda:
+                    (result.busy_ms, result.launches, result.graph_launches,
+                     result.syncs) = cuda_profile(step, args.profile_steps)
+                else:
+                    result.launches, result.graph_launches, result.syncs = cpu_counts(step, args.profile_steps)
+            except Exception as exc:
+                result.profile_error = error_line(exc)
         if name.startswith("cg-") and callable(stats_fn):
             result.stats = stats_fn()
     except Exception as exc:  # one variant failing must not hide the others
@@ -261,14 +373,14 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
-def print_table(workload: Workload, results: Dict[str, Result]) -> None:
+def print_table(workload: Workload, results: Dict[str, Result], cuda: bool) -> None:
     eager = results.get("eager")
     ro = results.get("reduce-overhead")
     eager_ms = eager.step_ms if eager else None
     ro_ms = ro.step_ms if ro else None
     ro_compile = ro.compile_s if ro else None
     header = ("variant", "step ms", "speedup vs eager", "vs reduce-ovh", "compile+capture s", "/ reduce-ovh",
-              "peak MiB", "GPU busy ms", "step / busy")
+              "peak MiB", "GPU busy ms", "step / busy", "launches", "graph launches", "syncs")
     rows = [header]
     for name, r in results.items():
         if r.error:
@@ -277,7 +389,8 @@ def print_table(workload: Workload, results: Dict[str, Result]) -> None:
         rows.append((name, _num(r.step_ms, ".3f"), _num(_ratio(eager_ms, r.step_ms), ".2f", "x"),
                      _num(_ratio(ro_ms, r.step_ms), ".2f", "x"), _num(r.compile_s, ".2f"),
                      _num(_ratio(r.compile_s, ro_compile), ".2f", "x"), _num(r.peak_mib, ".0f"),
-                     _num(r.busy_ms, ".3f"), _num(_ratio(r.step_ms, r.busy_ms), ".2f", "x")))
+                     _num(r.busy_ms, ".3f"), _num(_ratio(r.step_ms, r.busy_ms), ".2f", "x"),
+                     _num(r.launches, ".1f"), _num(r.graph_launches, ".1f"), _num(r.syncs, ".1f")))
     widths = [max(len(row[i]) for row in rows if len(row) == len(header)) for i in range(len(header))]
     widths[0] = max(len(row[0]) for row in rows)
     print(f"\n{workload.title}")
@@ -286,6 +399,10 @@ def print_table(workload: Workload, results: Dict[str, Result]) -> None:
             print(f"{row[0].ljust(widths[0])}  {row[1]}")
         else:
             print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    print(f"  launches / graph launches / syncs per step: {COUNT_DEFINITIONS[cuda]}")
+    for name, r in results.items():
+        if r.profile_error:
+            print(f"  {name}: profiled pass failed ({r.profile_error}): busy and count columns are '-'")
     for name, r in results.items():
         if r.stats:
             fallbacks = r.stats.get("eager_fallbacks", [])
@@ -293,8 +410,9 @@ def print_table(workload: Workload, results: Dict[str, Result]) -> None:
                   f"eager_fallbacks={len(fallbacks)}" + (f" (first: {fallbacks[0]})" if fallbacks else ""))
 
 
-def goal_rows(all_results: Dict[str, Dict[str, Result]]) -> List[tuple]:
-    """(goal, measured, PASS/MISS/n/a) for the issue's goals, for each cgcompile local variant that ran."""
+def goal_rows(all_results: Dict[str, Dict[str, Result]], judged: bool = True) -> List[tuple]:
+    """(goal, measured, PASS/MISS/n/a) for the issues' goals, for each cgcompile variant that ran. judged=False
+    (CPU smoke: no GPU timings) still shows the ratios, with verdict n/a."""
     rows = []
 
     def get(workload, variant, attr):
@@ -303,7 +421,7 @@ def goal_rows(all_results: Dict[str, Dict[str, Result]]) -> List[tuple]:
 
     def row(text, value, ok):
         rows.append((text, "-" if value is None else f"{value:.2f}x",
-                     "n/a" if value is None else ("PASS" if ok(value) else "MISS")))
+                     "n/a" if value is None or not judged else ("PASS" if ok(value) else "MISS")))
 
     for inner in ("eager", "inductor"):
         v = f"cg-local-{inner}"
@@ -331,6 +449,18 @@ def goal_rows(all_results: Dict[str, Dict[str, Result]]) -> List[tuple]:
             row(f"decode-varying step faster than reduce-overhead ({v}; speedup)",
                 _ratio(get("decode-varying", "reduce-overhead", "step_ms"), get("decode-varying", v, "step_ms")),
                 lambda x: x > 1.0)
+    for w in NEW_TOKEN_MOE:  # issue 11: experts captured with dynamic_padding, new tokens every step
+        for v in PADDED_VARIANTS:
+            if v not in all_results.get(w, {}):
+                continue
+            row(f"{w} step >= 3x eager ({v})", _ratio(get(w, "eager", "step_ms"), get(w, v, "step_ms")),
+                lambda x: x >= 3.0)
+            row(f"{w} step >= 2x reduce-overhead ({v}; speedup)",
+                _ratio(get(w, "reduce-overhead", "step_ms"), get(w, v, "step_ms")), lambda x: x >= 2.0)
+            row(f"{w} step within 1.5x of its GPU-busy bound ({v})",
+                _ratio(get(w, v, "step_ms"), get(w, v, "busy_ms")), lambda x: x <= 1.5)
+            row(f"{w} peak memory <= 1.5x eager's ({v})",
+                _ratio(get(w, v, "peak_mib"), get(w, "eager", "peak_mib")), lambda x: x <= 1.5)
     return rows
 
 
@@ -347,6 +477,8 @@ def main(argv=None) -> int:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=32, help="MoE tokens per sequence; decode prompt length")
+    parser.add_argument("--token-pool", type=int, default=32,
+                        help="moe, mixtral: different token batches cycled, one per step")
     parser.add_argument("--max-batch", type=int, default=16, help="decode-varying: batches range over 1..this")
     parser.add_argument("--decode-positions", type=int, default=64,
                         help="decode: cache positions after the prompt that the timed steps cycle through")
@@ -359,6 +491,8 @@ def main(argv=None) -> int:
     unknown = [v for v in variants if v not in VARIANTS] + [m for m in models if m not in MODELS]
     if unknown:
         parser.error(f"unknown variant or model {unknown}; variants: {VARIANTS}; models: {MODELS}")
+    if args.token_pool < 1:
+        parser.error("--token-pool must be >= 1")
     args.steps = args.steps or (20 if args.quick else 100)
     args.profile_steps = args.profile_steps or (3 if args.quick else 10)
 
@@ -372,7 +506,7 @@ def main(argv=None) -> int:
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, {now}")
     else:
         device, dtype = "cpu", torch.float32
-        args.layers, args.d_model, args.heads, args.experts, args.batch, args.seq = 2, 32, 4, 4, 2, 8
+        args.layers, args.d_model, args.heads, args.experts, args.batch, args.seq = 1, 32, 4, 4, 2, 8
         args.max_batch, args.decode_positions = 4, 16
         print(f"CPU SMOKE RUN (plumbing only, numbers meaningless): torch {torch.__version__}, {now}")
     torch._inductor.config.force_disable_caches = True  # cold compile times for every compiled variant
@@ -382,7 +516,8 @@ def main(argv=None) -> int:
 
     clock = Clock(cuda)
     started = time.perf_counter()
-    builders = {"moe": moe_workload, "decode": decode_workload,
+    builders = {"moe": moe_workload, "moe-fixed": lambda *a: moe_workload(*a, name="moe-fixed"),
+                "mixtral": lambda *a: moe_workload(*a, name="mixtral"), "decode": decode_workload,
                 "decode-varying": lambda *a: decode_workload(*a, varying=True)}
     all_results: Dict[str, Dict[str, Result]] = {}
     for model_name in models:
@@ -407,14 +542,14 @@ def main(argv=None) -> int:
             status = f"n/a: {r.error}" if r.error else f"{r.step_ms:.3f} ms/step, compile+capture {r.compile_s:.2f} s"
             print(f"  [{model_name}] {variant}: {status}", flush=True)
         all_results[model_name] = results
-        print_table(workload, results)
+        print_table(workload, results, cuda)
         del workload
         cleanup(cuda)
 
-    rows = goal_rows(all_results)
+    rows = goal_rows(all_results, judged=cuda)
     if rows:
         widths = [max(len(r[i]) for r in rows) for i in range(2)]
-        print("\ngoals")
+        print("\ngoals" + ("" if cuda else " (CPU smoke: ratios shown, not judged)"))
         for text, value, verdict in rows:
             print(f"  {text.ljust(widths[0])}  {value.rjust(widths[1])}  {verdict}")
     print(f"\ntotal {time.perf_counter() - started:.0f} s")

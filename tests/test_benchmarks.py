@@ -34,34 +34,134 @@ def test_bench_gpu_skips_without_cuda():
     assert len(out.strip().splitlines()) == 1
 
 
+SMOKE_VARIANTS = ("eager,cg-local-eager,cg-full-iteration,cg-local-eager+sizes,cg-local-eager+max,"
+                  "cg-full-iteration+max")
+
+
+def table_of(out, workload):
+    return out.split(f"\n{workload}: ")[1].split("\n\n")[0]
+
+
+def rows_of(table):
+    """{variant: {column: cell}} for the measured rows of a printed table (cells are split on 2+ spaces)."""
+    lines = table.splitlines()
+    header_at = next(i for i, line in enumerate(lines) if line.startswith("variant "))
+    header = re.split(r"\s{2,}", lines[header_at].strip())
+    rows = {}
+    for line in lines[header_at + 1:]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) == len(header) and not line.startswith(" "):
+            rows[cells[0]] = dict(zip(header, cells))
+    return rows
+
+
 def test_bench_gpu_cpu_smoke_reports_every_variant_and_refusal():
     out = run_script("bench_gpu.py", "--cpu-smoke", "--quick", "--steps", "5", "--driver", "emulate",
-                     "--variants", "eager,cg-local-eager,cg-full-iteration,cg-local-eager+sizes")
-    moe_table = out.split("\nmoe: ")[1].split("\n\n")[0]
-    decode_table = out.split("\ndecode: ")[1].split("\n\n")[0]
-    varying_table = out.split("\ndecode-varying: ")[1].split("\n\n")[0]
+                     "--variants", SMOKE_VARIANTS)
+    moe_table, fixed_table, mixtral_table = (table_of(out, w) for w in ("moe", "moe-fixed", "mixtral"))
+    decode_table, varying_table = table_of(out, "decode"), table_of(out, "decode-varying")
+    assert "new tokens every step (pool of 32 batches)" in moe_table.splitlines()[0]
+    assert "the same tokens every step" in fixed_table.splitlines()[0]
+    assert "new tokens every step" in mixtral_table.splitlines()[0] and "expert_mask[e]" in mixtral_table
     assert "KV-cache" in decode_table and "batch changing every step" in varying_table
-    # capture_sizes rows run on both decode workloads and are refused for the MoE
-    assert re.search(r"^cg-local-eager\+sizes\s+n/a: ValueError: capture_sizes rows are for the decode", moe_table,
-                     re.M), moe_table
+    # capture_sizes rows run on both decode workloads and are refused for the MoE workloads; padding the reverse
+    for table in (moe_table, fixed_table, mixtral_table):
+        assert re.search(r"^cg-local-eager\+sizes\s+n/a: ValueError: capture_sizes rows are for the decode", table,
+                         re.M), table
     for table in (decode_table, varying_table):
         m = re.search(r"cg-local-eager\+sizes stats: graphs_captured=(\d+), replays=(\d+), eager_fallbacks=0", table)
         assert m and int(m[1]) > 0 and int(m[2]) > 0, table
+        for v in ("cg-local-eager+max", "cg-full-iteration+max"):
+            assert re.search(rf"^{re.escape(v)}\s+n/a: ValueError: dynamic_padding rows are for the MoE workloads",
+                             table, re.M), table
     for table in (moe_table, decode_table):
         assert re.search(r"^eager\s+\d+\.\d+\s+1\.00x", table, re.M), table
         assert re.search(r"^cg-local-eager\s+\d+\.\d+\s+\d+\.\d+x", table, re.M), table
-    # The MoE's data-dependent dispatch makes whole-step capture impossible: reported, not crashed.
-    assert re.search(r"^cg-full-iteration\s+n/a: ConfigError: .*full_iteration.*nonzero", moe_table, re.M), moe_table
+    # Data-dependent dispatch makes whole-step capture impossible without padding: reported, not crashed.
+    for table, op in ((moe_table, "nonzero"), (fixed_table, "nonzero"), (mixtral_table, "torch.where")):
+        assert re.search(rf"^cg-full-iteration\s+n/a: ConfigError: .*full_iteration.*{re.escape(op)}", table,
+                         re.M), table
     assert re.search(r"^cg-full-iteration\s+\d+\.\d+", decode_table, re.M), decode_table
     # The emulate driver really captured and replayed (the runtime counters are read per variant).
     for table in (moe_table, decode_table):
         m = re.search(r"cg-local-eager stats: graphs_captured=(\d+), replays=(\d+), eager_fallbacks=0", table)
         assert m and int(m[1]) > 0 and int(m[2]) > 0, table
-    goals = out.split("\ngoals\n")[1]
+    # dynamic_padding="max": the MoE step captured without a host read, locally and as a whole step.
+    for table in (moe_table, fixed_table, mixtral_table):
+        assert "CPU proxy, cgcompile.runtime.host_ops" in table
+        rows = rows_of(table)
+        eager = rows["eager"]
+        assert float(eager["syncs"]) > 0 and float(eager["graph launches"]) == 0, table
+        assert float(rows["cg-local-eager"]["syncs"]) > 0, table  # experts (and their nonzero) stay eager
+        for v in ("cg-local-eager+max", "cg-full-iteration+max"):
+            assert float(rows[v]["syncs"]) == 0, table
+            assert float(rows[v]["graph launches"]) > 0, table
+            assert float(rows[v]["launches"]) < float(rows["cg-local-eager"]["launches"]) / 2, table
+            m = re.search(rf"{re.escape(v)} stats: graphs_captured=(\d+), replays=\d+, eager_fallbacks=0", table)
+            assert m and int(m[1]) > 0, table
+        # whole step: one forward and one backward graph per step
+        assert float(rows["cg-full-iteration+max"]["graph launches"]) == 2, table
+    goals = out.split("\ngoals (CPU smoke: ratios shown, not judged)\n")[1]
+    assert "PASS" not in goals and "MISS" not in goals
     assert re.search(r"decode-varying step faster than reduce-overhead \(cg-local-eager\+sizes; speedup\)\s+-\s+n/a",
                      goals)
-    assert re.search(r"moe step >= 1\.5x eager \(cg-local-eager\)\s+\d+\.\d+x\s+(PASS|MISS)", goals)
+    assert re.search(r"moe step >= 1\.5x eager \(cg-local-eager\)\s+\d+\.\d+x\s+n/a", goals)
     assert re.search(r"compile\+capture <= 1/3 of reduce-overhead's \(cg-local-eager\)\s+-\s+n/a", goals)
+    for w in ("moe", "mixtral"):
+        for v in ("cg-local-eager+max", "cg-full-iteration+max"):
+            v = re.escape(v)
+            assert re.search(rf"{w} step >= 3x eager \({v}\)\s+\d+\.\d+x\s+n/a", goals), goals
+            assert re.search(rf"{w} step >= 2x reduce-overhead \({v}; speedup\)\s+-\s+n/a", goals), goals
+            assert re.search(rf"{w} step within 1\.5x of its GPU-busy bound \({v}\)\s+-\s+n/a", goals), goals
+            assert re.search(rf"{w} peak memory <= 1\.5x eager's \({v}\)\s+-\s+n/a", goals), goals
+    assert "moe-fixed" not in goals and "+buckets" not in goals  # rows only for the workloads and variants that ran
+
+
+def test_cuda_counts_from_profiler_events():
+    """The CUDA-only counting, on events shaped like torch.profiler's: runtime/driver launch calls by substring
+    (names differ across CUDA versions), graph launches apart, device-side memcpy only as busy time, syncs from
+    the aten ops."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    bench = load_bench_gpu()
+
+    def ev(name, device=DeviceType.CPU, us=0, parent=None):
+        return SimpleNamespace(name=name, device_type=device, cpu_parent=parent,
+                               time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    index = ev("aten::index")
+    events = [ev(n) for n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
+                              "cudaMemcpyAsync", "cudaMemsetAsync", "cudaGraphLaunch", "cudaGraphLaunch_v10000",
+                              "cudaStreamSynchronize", "cudaEventRecord", "aten::mm", "aten::copy_")]
+    events += [ev("void gemm_kernel<...>", DeviceType.CUDA, us=300),
+               ev("Memcpy DtoH (Device -> Pageable)", DeviceType.CUDA, us=100),
+               index, ev("aten::nonzero", parent=index), ev("aten::nonzero"),
+               ev("cudaLaunchKernel", parent=index)]
+    busy, launches, graphs, syncs = bench.cuda_counts(events, n=2)
+    assert busy == 0.2  # (300 + 100) us over 2 steps
+    assert (launches, graphs, syncs) == (7 / 2, 2 / 2, 2 / 2)
+    assert bench.cuda_counts([ev("aten::mm")], n=1)[0] is None  # no device activity seen: no busy bound
+
+
+def test_host_op_counter_sees_nested_syncs():
+    """torch.where(mask) reads the count through aten::nonzero_numpy, .item() through aten::item: a top-level op
+    that reaches a sync op is one sync, however deep."""
+    import torch
+
+    from cgcompile.runtime.host_ops import HostOpCounter
+
+    x = torch.tensor([0.0, 1.0, 2.0])
+    with HostOpCounter() as counter:
+        torch.where(x > 0)
+        x.sum().item()
+        x[x > 0]
+        torch.nonzero(x)
+        x * 2
+    assert counter.syncs == 4
+    assert counter.ops == 4 + 4  # the four that read nothing (gt twice, sum, mul) are ops, not syncs
+    assert counter.replays == 0
 
 
 def test_error_line_unwraps_backend_failures():
@@ -112,6 +212,22 @@ def test_goal_rows_verdicts():
     assert verdicts["decode step within 1.1x of its GPU-busy bound (cg-full-iteration)"] == ("1.00x", "PASS")
     assert verdicts["decode-varying step faster than reduce-overhead (cg-local-eager+sizes; speedup)"] == \
         ("3.00x", "PASS")
+    assert not any("3x eager" in text for text in verdicts)  # no padded variant ran yet
+    results["mixtral"] = {"eager": R("e", step_ms=6.0, peak_mib=100.0), "reduce-overhead": R("r", step_ms=2.5),
+                          "cg-local-eager+max": R("m", step_ms=2.0, busy_ms=1.6, peak_mib=160.0),
+                          "cg-local-eager+buckets": R("b", step_ms=3.0, busy_ms=1.0, peak_mib=120.0)}
+    verdicts = {text: (value, verdict) for text, value, verdict in bench.goal_rows(results)}
+    assert verdicts["mixtral step >= 3x eager (cg-local-eager+max)"] == ("3.00x", "PASS")
+    assert verdicts["mixtral step >= 2x reduce-overhead (cg-local-eager+max; speedup)"] == ("1.25x", "MISS")
+    assert verdicts["mixtral step within 1.5x of its GPU-busy bound (cg-local-eager+max)"] == ("1.25x", "PASS")
+    assert verdicts["mixtral peak memory <= 1.5x eager's (cg-local-eager+max)"] == ("1.60x", "MISS")
+    assert verdicts["mixtral step >= 3x eager (cg-local-eager+buckets)"] == ("2.00x", "MISS")
+    assert verdicts["mixtral step within 1.5x of its GPU-busy bound (cg-local-eager+buckets)"] == ("3.00x", "MISS")
+    assert verdicts["mixtral peak memory <= 1.5x eager's (cg-local-eager+buckets)"] == ("1.20x", "PASS")
+    assert not any(text.startswith("moe step >= 3x") for text in verdicts)  # moe ran no padded variant
+    unjudged = {text: (value, verdict) for text, value, verdict in bench.goal_rows(results, judged=False)}
+    assert unjudged["mixtral step >= 3x eager (cg-local-eager+max)"] == ("3.00x", "n/a")
+    assert {verdict for _, verdict in unjudged.values()} == {"n/a"}
 
 
 def test_bench_cpu_quick_table():
