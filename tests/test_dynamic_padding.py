@@ -15,7 +15,8 @@ from cgcompile.backend import record_plans
 from cgcompile.config import CudaGraphConfig
 from cgcompile.padding import bucket_for, pad_dynamic_rows
 from cgcompile.passes.common import is_bucketed_producer
-from cgcompile.passes.row_flow import row_flow
+from cgcompile.passes.row_flow import op_key, row_flow
+from cgcompile.passes.sync_ops import find_host_syncs
 from cgcompile.runtime.host_ops import HostOpCounter
 from tests.models import MODELS
 
@@ -234,6 +235,24 @@ def test_bucketed_producers_share_one_host_read_only_when_their_masks_are_ready(
     gm, found = _padded_graph(lambda x, m: _experts(x, m, between), x, masks.clone())
     assert found == groups
     torch.testing.assert_close(gm(x, masks.clone())[0], expected, rtol=0, atol=0)
+
+
+def test_only_the_bucketed_read_itself_is_a_host_sync():
+    """The call, its per-mask results and the read of their common size stay eager; indexing the padded rows
+    (`nonzero(m)[:, 0]`) is device work after it."""
+    def fn(x, masks):
+        out = torch.zeros_like(x)
+        for e in range(2):
+            idx = torch.nonzero(masks[e])[:, 0]
+            out.index_add_(0, idx, x[idx] * 2)
+        return out
+
+    x, masks = torch.randn(6, 3), torch.rand(2, 6) > 0.5
+    gm, found = _padded_graph(fn, x, masks)
+    assert found == [2]
+    syncs = sorted(op_key(n) for n in find_host_syncs(gm))
+    assert syncs == ["getitem", "getitem", "nonzero_bucketed", "sym_size"], syncs
+    torch.testing.assert_close(gm(x, masks)[0], fn(x, masks), rtol=0, atol=0)
 
 
 def test_bucket_for_rounds_up_within_the_bound():

@@ -177,14 +177,11 @@ def is_bucketed_producer(node: fx.Node) -> bool:
 def bucketed_read(node: fx.Node) -> Optional[fx.Node]:
     """The bucketed producer call that `node` is part of: the call itself, one of its results (getitem), or
     the read of their common row count (sym_size), which binds the size symbol. They stay together, eager."""
-    for _ in range(3):
-        if is_bucketed_producer(node):
-            return node
-        if node.op != "call_function" or node.target not in (operator.getitem, torch.ops.aten.sym_size.int) \
-                or not node.args or not isinstance(node.args[0], fx.Node):
-            return None
+    if node.op == "call_function" and node.target is torch.ops.aten.sym_size.int:
         node = node.args[0]
-    return None
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int):
+        node = node.args[0]
+    return node if is_bucketed_producer(node) else None
 
 
 def unbacked_symbols(value: Any, known: Any = frozenset()) -> set:
