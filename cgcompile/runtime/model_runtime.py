@@ -1,0 +1,253 @@
+"""ModelRuntime: what every partition of one compiled frame shares.
+
+The driver, the memory pools (shared for the first capture wave, private after it), the registry of which
+captured graph owns which memory (what makes an input borrowed and a graph busy, see graphs.py), the capture
+summary and its progress display. Split out of local.py, which keeps the per-partition graphs; the pool rules
+are in ModelRuntime's docstring.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import _compat
+from ..counters import add as _count
+from . import release as _release
+from .driver import Driver, EagerDriver, get_driver
+from .graphs import _Graph, _storage_ptr
+
+if TYPE_CHECKING:
+    from .local import _Partition
+
+log = logging.getLogger("cgcompile")
+
+_PROGRESS_AFTER_S = 2.0
+_EAGER = EagerDriver()
+
+
+class ModelRuntime:
+    """One per compiled frame: owns the driver, the shared graph pool and the registry of static memory.
+
+    Pools: every graph captured before any graph is used a second time (the first capture wave: a steady
+    training step's graphs, captured in the order they run) shares one pool, so a graph's temporaries can
+    reuse memory another graph freed; graphs captured later (new shapes, extra instances, re-captures, eval
+    graphs) get a private pool. Sharing is safe only if a graph never replays while memory it may scribble
+    over is still needed: its temporaries may overlap the static memory of graphs captured *after* it in the
+    same pool. So, besides its own busy check, a shared-pool graph replays only when no later-captured
+    shared-pool graph is busy; otherwise the call takes another instance (a steady loop replays in capture
+    order, so this only adds instances where a later graph's outputs outlive the next call, as in fwd, fwd,
+    bwd, bwd). The emulate driver has no pools; the rule runs there all the same.
+
+    Capture summary: one INFO line ("captured N graphs in X s, Y GiB") when the first wave ends, i.e. at
+    the first second use of a graph; `log_capture_summary()` logs it earlier if called (once either way).
+    When the wave's captures take longer than 2 s a progress display appears (tqdm if installed).
+    """
+
+    def __init__(self, config: Any, device: Any):
+        self.config = config
+        self.device = torch.device(device)
+        self.driver: Driver = get_driver(str(config.driver), self.device)
+        self._owners: Dict[int, _Graph] = {}  # storage data_ptr -> graph owning that memory
+        self._shared: List[Optional[_Graph]] = []  # shared-pool graphs in capture order (None: discarded)
+        self._shared_pool: Any = None
+        self._wave_open = True
+        self._wave = {"graphs": 0, "seconds": 0.0, "bytes": 0}
+        self._summary_logged = False
+        self._progress: Optional[_Progress] = None
+        self._partitions: "weakref.WeakSet[_Partition]" = weakref.WeakSet()
+        _release.register(self)
+
+    # public ---------------------------------------------------------------------------------------------
+
+    def is_static(self, t: Any) -> bool:
+        """Does `t` alias memory owned by one of our graphs (a static output or a static input buffer)?"""
+        return isinstance(t, torch.Tensor) and bool(self._owners) and _storage_ptr(t) in self._owners
+
+    def finish_frame_outputs(self, outputs: Any) -> Any:
+        """Clone the frame outputs that alias static memory (when config.clone_outputs), so the next replay
+        cannot overwrite what the caller holds. Handles a tensor or a flat list/tuple (Dynamo's output)."""
+        if not self.config.clone_outputs or not self._owners:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            return outputs.clone() if self.is_static(outputs) else outputs
+        if isinstance(outputs, (list, tuple)):
+            fixed = [o.clone() if self.is_static(o) else o for o in outputs]
+            if type(outputs) in (list, tuple):
+                return type(outputs)(fixed)
+            return type(outputs)(*fixed)  # namedtuple
+        return outputs
+
+    def log_capture_summary(self) -> None:
+        """Log the capture summary line now (once per runtime; no-op before the first capture)."""
+        if self._summary_logged or not self._wave["graphs"]:
+            return
+        self._summary_logged = True
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+        wave = self._wave
+        memory = f", {wave['bytes'] / 2**30:.2f} GiB" if self.driver.name == "cuda" else ""
+        log.info("cgcompile: captured %d graphs in %.1f s%s (driver %s)", wave["graphs"], wave["seconds"],
+                 memory, self.driver.name)
+
+    def release(self) -> None:
+        """Drop every graph, the shared pool and the driver's stream (cgcompile.release()); the partitions
+        warm up and capture again on their next calls. A pending backward of a released forward runs eagerly."""
+        for part in list(self._partitions):
+            part.release()
+        self._owners.clear()
+        self._shared, self._shared_pool, self._wave_open = [], None, True
+        self.driver.release()
+
+    def graph_memory(self) -> List[Dict[str, Any]]:
+        """Per live graph: its partition, kind, the pool bytes its capture reserved (CUDA only), and the bytes
+        of the static input buffers and outputs it owns (what it keeps allocated between calls)."""
+        rows = []
+        for part in list(self._partitions):
+            for variant in part.bank.values():
+                for family in (variant.forward, variant.inference):
+                    for graph in family.graphs if family is not None else ():
+                        for g, kind in ((graph, family.kind), (graph.bw, "backward")):
+                            if g is not None and g.captured is not None:
+                                rows.append({"partition": part.name, "kind": kind, **g.memory()})
+        return rows
+
+    # internal -------------------------------------------------------------------------------------------
+
+    def driver_for(self, example_inputs: Sequence[Any]) -> Driver:
+        """The runtime's driver, or eager for a partition without a CUDA tensor under the cuda driver."""
+        if self.driver.name == "cuda" and not any(
+                isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs):
+            return _EAGER
+        return self.driver
+
+    def owner(self, t: torch.Tensor) -> Optional["_Graph"]:
+        return self._owners.get(_storage_ptr(t)) if self._owners else None
+
+    def pool(self) -> Tuple[Any, bool]:
+        """(pool token, shared?) for the next capture."""
+        if self._wave_open:
+            if self._shared_pool is None:
+                self._shared_pool = self.driver.new_pool()
+            return self._shared_pool, True
+        return self.driver.new_pool(), False
+
+    def lenders(self, args: Sequence[Any]) -> Dict[int, Tuple["_Graph", int, int]]:
+        """For the arguments living in our graphs' memory: storage ptr -> (owner, handle, use count now)."""
+        found: Dict[int, Tuple[_Graph, int, int]] = {}
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and self._owners:
+                ptr, sid = _compat.storage_key(arg)
+                if ptr in self._owners and ptr not in found:
+                    found[ptr] = (self._owners[ptr], sid, _compat.storage_use_count(sid))
+        return found
+
+    def register(self, graph: "_Graph", shared: bool, lenders: Dict[int, Tuple["_Graph", int, int]]) -> None:
+        """Record a new graph's memory: what it owns (with use-count baselines) and what it borrows.
+
+        `lenders` was measured before the capture with the same caller references alive, so the growth
+        of each lender's use count is exactly the references the new graph keeps (its held inputs, outputs
+        that view them, and anything those keep alive) and goes into the lender's idle baseline.
+        """
+        for ptr, sid in graph.owned_storages():
+            graph.owned[ptr] = [sid, 0]
+            self._owners[ptr] = graph
+        for ptr, (lender, sid, before) in lenders.items():
+            if lender.captured is not None and ptr in lender.owned:
+                kept = _compat.storage_use_count(sid) - before
+                lender.owned[ptr][1] += kept
+                graph.borrowed_from.append((lender, ptr, kept))
+        for entry in graph.owned.values():  # nothing handed out yet: current count = our own references
+            entry[1] += _compat.storage_use_count(entry[0])
+        if shared:
+            graph.shared_index = len(self._shared)
+            self._shared.append(graph)
+        captured = graph.captured
+        seconds = graph.capture_seconds
+        _count("graphs_captured")
+        _count("capture_seconds", seconds)
+        _count("pool_bytes", captured.pool_bytes)
+        if not self._summary_logged:
+            self._wave["graphs"] += 1
+            self._wave["seconds"] += seconds
+            self._wave["bytes"] += captured.pool_bytes
+            if self._wave["seconds"] > _PROGRESS_AFTER_S:
+                if self._progress is None:
+                    self._progress = _Progress(self._wave["graphs"])
+                else:
+                    self._progress.update()
+
+    def discard(self, graph: Optional["_Graph"]) -> None:
+        """Forget a graph (re-capture, fallback): release its memory claims so its storage can be freed."""
+        if graph is None:
+            return
+        for ptr in graph.owned:
+            if self._owners.get(ptr) is graph:
+                del self._owners[ptr]
+        for lender, ptr, kept in graph.borrowed_from:
+            if ptr in lender.owned:
+                lender.owned[ptr][1] -= kept
+        graph.borrowed_from = []
+        graph.owned = {}
+        if graph.shared_index is not None:
+            self._shared[graph.shared_index] = None
+        if graph.bw is not None:
+            self.discard(graph.bw)
+            graph.bw = None
+        graph.captured = None
+
+    def may_replay(self, graph: "_Graph") -> bool:
+        """Pool rule (see class docstring): no later-captured shared-pool graph may be busy."""
+        if graph.shared_index is None:
+            return True
+        free = True
+        for later in self._shared[graph.shared_index + 1:]:
+            if later is not None and (later.blocked_by_grads() or later.busy()):
+                free = False  # no early exit: every graph holding stolen grads stops handing them out
+        return free
+
+    def note_replay(self, graph: "_Graph") -> None:
+        graph.replays += 1
+        if graph.replays > 1 and self._wave_open:  # replay 1 follows the capture itself
+            self._wave_open = False
+            self.log_capture_summary()
+
+
+class _Progress:
+    """Shows progress of a long capture wave: tqdm when installed, else a throttled stderr line."""
+
+    def __init__(self, done: int):
+        self.done = done
+        self._last = 0.0
+        try:
+            from tqdm import tqdm
+            self._bar = tqdm(desc="cgcompile: capturing CUDA graphs", unit="graph", initial=done)
+        except ImportError:
+            self._bar = None
+        self._show()
+
+    def update(self) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(1)
+        else:
+            self._show()
+
+    def _show(self) -> None:
+        now = time.monotonic()
+        if self._bar is None and now - self._last >= 1.0:
+            self._last = now
+            sys.stderr.write(f"\rcgcompile: capturing CUDA graphs... {self.done} captured")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        else:
+            sys.stderr.write("\n")
