@@ -197,8 +197,8 @@ def test_bucket_bank_overflow_runs_eagerly_logged_and_counted(caplog):
     assert len(logged) == len({f["partition"] for f in overflows})  # once per partition
 
 
-def _padded_graph(fn, *inputs, mode="buckets"):
-    """Dynamo's graph of fn, rewritten by pad_dynamic_rows; its bucketed reads (each a list of masks)."""
+def _dynamo_graph(fn, *inputs):
+    """The one FX graph Dynamo makes of fn, with the data-dependent index ops kept in it."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -208,6 +208,12 @@ def _padded_graph(fn, *inputs, mode="buckets"):
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
     (gm,) = graphs
+    return gm
+
+
+def _padded_graph(fn, *inputs, mode="buckets"):
+    """Dynamo's graph of fn, rewritten by pad_dynamic_rows; its bucketed reads (each a list of masks)."""
+    gm = _dynamo_graph(fn, *inputs)
     pad_dynamic_rows(gm, CudaGraphConfig.from_options({"dynamic_padding": mode}))
     reads = [n for n in gm.graph.nodes if is_bucketed_producer(n)]
     return gm, [len(n.args[0]) for n in reads]
@@ -261,15 +267,7 @@ def test_bucket_for_rounds_up_within_the_bound():
 
 
 def _flow(fn, *inputs):
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
-    (gm,) = graphs
+    gm = _dynamo_graph(fn, *inputs)
     origin = next(n for n in gm.graph.nodes if "nonzero" in str(n.target))
     (sym,) = origin.meta["example_value"].shape[0].node.expr.free_symbols
     return row_flow(gm, sym, allow_sinks=True)
