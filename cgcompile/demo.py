@@ -1,7 +1,8 @@
 """`make demo`: compile a tiny MoE transformer with the cudagraph_modules backend, train a few steps, print the plan.
 
 On a machine without a GPU it runs every partition eagerly and the plan says what would be captured; pass
-`--driver emulate` to exercise the capture/replay buffer logic on the CPU.
+`--driver emulate` to exercise the capture/replay buffer logic on the CPU, and `--dynamic-padding buckets` (or
+`max`) to capture the experts too (README, "Capturing MoE experts").
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--driver", default="auto", help="auto | cuda | emulate | eager")
+    parser.add_argument("--dynamic-padding", default="off", help="off | max | buckets: capture the expert loop too")
     parser.add_argument("--html", default="cgcompile_plan.html", help="where to write the visual plan ('' to skip)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the backend's INFO lines")
     args = parser.parse_args(argv)
@@ -41,6 +43,8 @@ def main(argv=None) -> int:
     reference = copy.deepcopy(model)
     (tokens,) = spec.example_inputs(device=device)
     options = spec.options(driver=args.driver)
+    if args.dynamic_padding != "off":  # the expert loop is untagged: capture every capture-safe span
+        options.update(cuda_graph_modules=[], dynamic_padding=args.dynamic_padding)
     print(f"options: {options}")
     print(f"normalized: {cgcompile.CudaGraphConfig.from_options(options).to_options()}\n")
 
@@ -72,6 +76,9 @@ def main(argv=None) -> int:
         print("nothing was captured: on a CPU driver=auto runs every partition eagerly; the plan above shows what "
               "a GPU would capture. `python -m cgcompile.demo --driver emulate` exercises capture and replay on "
               "the CPU.")
+    if args.dynamic_padding == "off":
+        print("the experts' islands stay eager (their rows are data-dependent); `python -m cgcompile.demo "
+              "--dynamic-padding buckets` (or max) pads them exactly and captures them too.")
     return 0
 
 

@@ -59,3 +59,22 @@ def test_megatron_flags_migrations():
     assert two.count("FutureWarning") == 2 and two.count(" -> ") == 4  # two warnings, two recorded migrations
     assert sum("ConfigError: " in b for b in blocks) == 2
     assert out.rstrip().endswith("8 migrated, 2 rejected")
+
+
+@pytest.mark.parametrize("args, captured", [((), False), (("--driver", "emulate", "--dynamic-padding", "buckets"), True)])
+def test_demo_prints_the_plan_and_trains_like_eager(args, captured):
+    """`make demo`, the README's main job: on a CPU it plans, trains like eager and says what a GPU would
+    capture; with padding and the emulate driver the experts' partitions are captured and replayed."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "cgcompile.demo", "--steps", "5", "--html", "", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "cgcompile plan: cuda_graph_impl=local" in out
+    pairs = re.findall(r"^step \d+: loss (\d+\.\d+) \(eager (\d+\.\d+)\)$", out, re.M)
+    assert len(pairs) == 5 and all(ours == eager for ours, eager in pairs), pairs
+    graphs = int(re.search(r"graphs captured: (\d+)", out)[1])
+    if captured:
+        assert graphs > 0 and re.search(r"capture\s+moe\s+layers\.0\s+\d+\s+padded buckets: 4 producers", out)
+    else:
+        assert graphs == 0 and "--dynamic-padding buckets" in out
