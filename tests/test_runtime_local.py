@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 import torch.fx as fx
+import torch._functorch.config as functorch_config
 import torch.nn as nn
 
 from cgcompile import reset_stats, stats
@@ -148,6 +149,28 @@ def test_cleared_grads_are_stolen_and_kept_grads_stay_exact():
         ref.zero_grad(set_to_none=False)
     assert not any(rt.is_static(a.grad) for a in model.parameters())
     assert stats()["replays"] > 10 and not stats()["eager_fallbacks"]
+
+
+@functorch_config.patch(donated_buffer=False)  # else aot itself refuses retain_graph
+def test_second_backward_through_one_forward_never_overwrites_stolen_grads():
+    """retain_graph: the second backward of the same forward instance finds its graph's grads held as .grad
+    and runs eagerly; the sum is eager's."""
+    ref, model = twins()
+    rt = runtime()
+    p = partition(model, rt)
+    for step in range(4):
+        _step(model, p, ref, torch.randn(5, 6))
+    x = torch.randn(5, 6)
+    loss, ref_loss = p(x).pow(2).sum(), ref(x).pow(2).sum()
+    loss.backward(retain_graph=True)
+    ref_loss.backward(retain_graph=True)
+    assert all(rt.is_static(a.grad) for a in model.parameters())  # the first one was stolen
+    for a, b in zip(model.parameters(), ref.parameters()):  # e.g. clipped: .grad is no longer what was replayed
+        a.grad.mul_(0.5), b.grad.mul_(0.5)
+    loss.backward()
+    ref_loss.backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert_close(a.grad, b.grad)
 
 
 def test_stolen_grads_held_keep_earlier_shared_pool_graphs_from_replaying():
