@@ -31,7 +31,8 @@ and the pool rules. The buffer rules, in one place:
   graph (with its forward instance, and under the pool rule every earlier shared-pool graph) stays busy until
   the grads are released. A loop that keeps grads (accumulation, `set_to_none=False`) never gets there, and
   one that keeps them after stealing began turns stealing off for that graph (the call that found the grads
-  held takes another instance or runs eagerly).
+  held takes another instance or runs eagerly; if they are never released, e.g. `set_to_none=False` from
+  then on, that instance stays unused, its memory being `.grad`).
 - Inputs the graph itself writes (Inductor keeps some input mutations in its graphs) are restored after
   capture, which runs the graph once, and copied back to the caller's tensor after each replay.
 """
