@@ -171,7 +171,8 @@ def _root(node: fx.Node) -> fx.Node:
     return node
 
 
-def _hoistable(producer: _Producer, first: fx.Node, position: Dict[fx.Node, int]) -> Optional[List[fx.Node]]:
+def _hoistable(producer: _Producer, first: fx.Node, nodes: List[fx.Node],
+               position: Dict[fx.Node, int]) -> Optional[List[fx.Node]]:
     """The nodes computing producer's mask that come after `first` (in order), if they can all run before it:
     pure, not random, not data-dependent, and reading nothing written in between; else None."""
     start, end = position[first], position[producer.node]
@@ -186,35 +187,44 @@ def _hoistable(producer: _Producer, first: fx.Node, position: Dict[fx.Node, int]
             return None
         chain.append(node)
         stack.extend(node.all_input_nodes)
-    written = {_root(n.args[0]) for n in list(position)[start:end] if _writes(n) and n.args
-               and isinstance(n.args[0], fx.Node)}
+    written = {_root(n.args[0]) for n in nodes[start:end] if _writes(n) and n.args and isinstance(n.args[0], fx.Node)}
     if any(_root(arg) in written for node in chain for arg in node.all_input_nodes):
         return None
     return sorted(chain, key=position.__getitem__)
 
 
-def _bucket_groups(gm: fx.GraphModule, producers: List[_Producer]) -> List[List[_Producer]]:
+_Todo = Tuple[_Producer, RowFlow, int]  # a paddable producer, its row flow, its static bound
+
+
+def _bucket_groups(gm: fx.GraphModule, todo: List[_Todo]) -> List[Tuple[List[_Todo], List[fx.Node]]]:
     """Split the (graph-ordered) bucketed producers into runs that can share one host read: each joins the
-    current run when its mask can be computed before the run's first producer."""
-    position = {node: i for i, node in enumerate(gm.graph.nodes)}
-    groups: List[List[_Producer]] = []
-    for producer in producers:
-        if groups and _hoistable(producer, groups[-1][0].node, position) is not None:
-            groups[-1].append(producer)
+    current run when its mask can be computed before the run's first producer. Per run: its producers, and
+    the nodes to move before the first one (found on the unchanged graph, in graph order)."""
+    nodes = list(gm.graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    groups: List[Tuple[List[_Todo], List[fx.Node]]] = []
+    for item in todo:
+        chain = None
+        if groups:
+            members, hoist = groups[-1]
+            first = members[0][0].node
+            chain = _hoistable(item[0], first, nodes, position)
+        if chain is None:
+            groups.append(([item], []))
         else:
-            groups.append([producer])
-    return groups
+            members.append(item)
+            hoist.extend(node for node in chain if node not in hoist)  # masks may share nodes
+    return [(members, sorted(hoist, key=position.__getitem__)) for members, hoist in groups]
 
 
-def _read_buckets(gm: fx.GraphModule, group: List[_Producer], paddings: List[Padding]) -> List[Tuple[Any, Any]]:
-    """Hoist the group's masks before its first producer and read them all with one nonzero_bucketed call;
-    returns each producer's (padded rows, common size)."""
+def _read_buckets(gm: fx.GraphModule, group: List[_Producer], hoist: List[fx.Node],
+                  paddings: List[Padding]) -> List[Tuple[Any, Any]]:
+    """Move the group's masks (`hoist`) before its first producer and read them all with one nonzero_bucketed
+    call; returns each producer's (padded rows, common size)."""
     graph = gm.graph
     first = group[0].node
-    for producer in group[1:]:
-        position = {node: i for i, node in enumerate(graph.nodes)}
-        for node in _hoistable(producer, first, position) or ():
-            first.prepend(node)
+    for node in hoist:
+        first.prepend(node)
     buckets = list(paddings[0].buckets)
     with graph.inserting_before(first):
         call = _copy_meta(graph.call_function(BUCKETED_OP, ([p.source for p in group], buckets)), first,
@@ -293,7 +303,7 @@ def pad_dynamic_rows(gm: fx.GraphModule, config: CudaGraphConfig) -> Dict[str, P
         return {}
     mode = config.dynamic_padding
     flows = [(producer, row_flow(gm, producer.symbol, allow_sinks=True)) for producer in producers]
-    todo: List[Tuple[_Producer, RowFlow, int]] = []
+    todo: List[_Todo] = []
     for producer, flow in flows:  # every flow is found on the unchanged graph, then the rewrites run
         bound = example_value(producer.source).numel()
         if flow.ok and not isinstance(bound, int):
@@ -307,17 +317,17 @@ def pad_dynamic_rows(gm: fx.GraphModule, config: CudaGraphConfig) -> Dict[str, P
             producer.node.meta[PADDABLE] = True
             continue
         todo.append((producer, flow, bound))
-    flow_of = {id(p): (f, bound) for p, f, bound in todo}
-    groups = _bucket_groups(gm, [p for p, _, _ in todo]) if mode == DynamicPadding.BUCKETS else \
-        [[p] for p, _, _ in todo]
+    bucketed = mode == DynamicPadding.BUCKETS
+    groups = _bucket_groups(gm, todo) if bucketed else [([item], []) for item in todo]
     done: Dict[str, Padding] = {}
-    for group in groups:
-        paddings = [Padding(mode.value, flow_of[id(p)][1], tuple(config.dynamic_padding_buckets), op_name(p.node),
-                            node_location(p.node) or "", p.node.name, len(group)) for p in group]
-        reads = _read_buckets(gm, group, paddings) if mode == DynamicPadding.BUCKETS else [None] * len(group)
-        for producer, padding, read in zip(group, paddings, reads):
+    for members, hoist in groups:
+        producers = [producer for producer, _, _ in members]
+        paddings = [Padding(mode.value, bound, tuple(config.dynamic_padding_buckets), op_name(p.node),
+                            node_location(p.node) or "", p.node.name, len(members)) for p, _, bound in members]
+        reads = _read_buckets(gm, producers, hoist, paddings) if bucketed else [None]
+        for (producer, flow, _), padding, read in zip(members, paddings, reads):
             done[producer.node.name] = padding
-            _rewrite(gm, producer, flow_of[id(producer)][0], padding, read)
+            _rewrite(gm, producer, flow, padding, read)
     if done:
         gm.graph.lint()
         gm.recompile()

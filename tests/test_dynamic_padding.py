@@ -233,6 +233,7 @@ def _experts(x, masks, between=None):
 @pytest.mark.parametrize("between, groups", [
     (None, [3]),  # every mask is ready before the first expert: one host read
     (lambda m, out: m, [3]),
+    (lambda m, out: m.clone(), [3]),  # masks computed in the loop, each from the last: hoisted in order
     (lambda m, out: m.logical_not_(), [1, 1, 1]),  # a mask written between experts: cannot be read early
     (lambda m, out: m & (out.sum(1) > 0), [1, 1, 1]),  # the next mask depends on the previous expert
 ])
