@@ -102,7 +102,6 @@ class _Graph:
         self.free = False  # seen idle since its last replay: stays so until the next replay (see busy())
         self.bw: Optional[_Graph] = None  # a forward instance's backward graph
         self.cleared_streak = 0  # backward: replays in a row that found the parameters' grads cleared
-        self.steal = False  # backward: hand out aliases that AccumulateGrad may keep as param.grad
 
     def memory(self) -> Dict[str, int]:
         """Bytes this graph holds: its pool reservation, its copied-in input buffers, its own outputs."""
@@ -128,6 +127,11 @@ class _Graph:
                     found.setdefault(ptr, sid)
         return list(found.items())
 
+    @property
+    def steal(self) -> bool:
+        """Backward: hand out aliases that AccumulateGrad may keep as param.grad (grads seen cleared twice)."""
+        return self.cleared_streak >= 2
+
     def busy(self) -> bool:
         """Is an alias from the last replay alive (e.g. saved for a pending backward), or does anything
         besides the runtime still reference this graph's memory (a view, a `.detach()`ed copy)?
@@ -135,15 +139,19 @@ class _Graph:
         Once idle, a graph stays idle until its next replay: new references to its memory come only from
         a replay's aliases, or from a borrower replaying on it, which needs a live reference already.
         So the result is cached, which keeps the pool rule's scans cheap.
+
+        A backward graph found busy while it hands out stealable grads stops doing so: the loop keeps the
+        grads it was given (see the module docstring).
         """
         if self.free:
             return False
-        for ref in self.handed:
-            if ref() is not None:
-                return True
-        for sid, idle in self.owned.values():
-            if _compat.storage_use_count(sid) > idle:
-                return True
+        if any(ref() is not None for ref in self.handed) or any(
+                _compat.storage_use_count(sid) > idle for sid, idle in self.owned.values()):
+            if self.steal:
+                self.cleared_streak = 0
+                log.debug("cgcompile: %s: gradients kept across steps; backward outputs are copied from now on",
+                          self.family.part.describe())
+            return True
         self.free = True
         return False
 
@@ -171,16 +179,6 @@ class _Graph:
         if param is not None and param.data_ptr() != self.param_ptrs[i]:
             return f"static input {i} moved (parameter or buffer re-allocated)"
         return None
-
-    def blocked_by_grads(self) -> bool:
-        """Is this (backward) graph busy because grads it let AccumulateGrad steal are still held? Then it
-        stops handing out stealable aliases: this loop keeps its grads."""
-        if self.steal and self.busy():
-            self.steal, self.cleared_streak = False, 0
-            log.debug("cgcompile: %s: gradients kept across steps; backward outputs are copied from now on",
-                      self.family.part.describe())
-            return True
-        return False
 
     def replay(self, args: Sequence[Any], runtime: ModelRuntime, alias: bool) -> List[Any]:
         inputs = self.captured.static_inputs

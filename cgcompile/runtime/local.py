@@ -68,7 +68,7 @@ class _Family:
             verdict = graph.match(args)  # first: cheapest, and fails fast for other layers' instances
             if verdict is _MISMATCH or graph.busy() or not runtime.may_replay(graph):
                 continue
-            if graph.bw is not None and (graph.bw.blocked_by_grads() or graph.bw.busy()):
+            if graph.bw is not None and graph.bw.busy():  # its grads, stolen as .grad, are still held
                 continue
             if verdict is None:
                 return graph.replay(args, runtime, alias=True)
@@ -121,11 +121,7 @@ class _Family:
               or instance.bw.match(args) is not None):
             return self.run(args)  # e.g. a second backward through the same forward (retain_graph)
         bw = instance.bw
-        if self._grads_cleared(instance):
-            bw.cleared_streak += 1
-            bw.steal = bw.steal or bw.cleared_streak >= 2
-        else:
-            bw.cleared_streak, bw.steal = 0, False
+        bw.cleared_streak = bw.cleared_streak + 1 if self._grads_cleared(instance) else 0
         return bw.replay(args, runtime, alias=bw.steal)
 
     @staticmethod

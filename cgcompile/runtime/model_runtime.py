@@ -208,7 +208,7 @@ class ModelRuntime:
             return True
         free = True
         for later in self._shared[graph.shared_index + 1:]:
-            if later is not None and (later.blocked_by_grads() or later.busy()):
+            if later is not None and later.busy():
                 free = False  # no early exit: every graph holding stolen grads stops handing them out
         return free
 
