@@ -76,29 +76,26 @@ def _is_op(name: str) -> bool:
     return name.startswith("aten::")
 
 
-def _inside(event, name: str) -> bool:
+def _ancestors(event):
+    """The events `event` runs under, innermost first."""
     parent = event.cpu_parent
     while parent is not None:
-        if parent.name == name:
-            return True
+        yield parent
         parent = parent.cpu_parent
-    return False
+
+
+def _inside(event, name: str) -> bool:
+    return any(parent.name == name for parent in _ancestors(event))
 
 
 def _op_root(event):
     """The outermost op event that `event` runs under (itself when no op called it)."""
-    root, parent = event, event.cpu_parent
-    while parent is not None:
+    root = event
+    for parent in _ancestors(event):
         if _is_op(parent.name):
             root = parent
-        parent = parent.cpu_parent
     return root
 
 
 def _has_flops_parent(event) -> bool:
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.flops:
-            return True
-        parent = parent.cpu_parent
-    return False
+    return any(parent.flops for parent in _ancestors(event))
