@@ -29,17 +29,14 @@ def find_data_dependent_shapes(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding
     for node in compute_nodes(gm):
         if is_scalar_input_read(node) or is_bucketed_producer(node):
             continue
-        if NOT_PADDABLE in node.meta:
-            found[node] = [node.meta[NOT_PADDABLE]]
-            for sym in unbacked_symbols(example_value(node), known) - input_unbacked_symbols(node, known):
-                origin_of.setdefault(sym, node)
-            continue
         out_symbols = unbacked_symbols(example_value(node), known)
         in_symbols = input_unbacked_symbols(node, known)
         new_symbols = out_symbols - in_symbols
         for sym in new_symbols:
             origin_of.setdefault(sym, node)
-        if new_symbols or has_tag(node, torch.Tag.dynamic_output_shape):
+        if NOT_PADDABLE in node.meta:  # a producer padding refused: padding.py's finding names why
+            found[node] = [node.meta[NOT_PADDABLE]]
+        elif new_symbols or has_tag(node, torch.Tag.dynamic_output_shape):
             names = ", ".join(sorted(str(s) for s in new_symbols)) or "its output"
             hint = _PADDABLE_HINT if node.meta.get(PADDABLE) else _ORIGIN_HINT
             found[node] = [finding(node, "dynamic_shape", hint=hint,

@@ -22,9 +22,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import sympy
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import free_symbols, free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import free_symbols
 
-from .common import Finding, example_value, finding
+from .common import Finding, example_value, finding, unbacked_symbols
 
 __all__ = ["RowFlow", "Sink", "row_flow", "op_key"]
 
@@ -192,7 +192,7 @@ class _Walker:
 
     def visit(self, node: fx.Node, value: Any, carries: bool) -> None:
         name = op_key(node)
-        others = {s for s in free_unbacked_symbols(value) if s != self.sym} if carries else set()
+        others = unbacked_symbols(value, {self.sym}) if carries else set()
         if others:
             return self.block(node, f"{name} mixes {self.sym} with another data-dependent size "
                                     f"({', '.join(sorted(map(str, others)))})", "pad each dimension separately")
