@@ -171,8 +171,10 @@ def bench_padding(layers: int, warmup: int, steps: int) -> dict:
         model = SPEC.make(num_layers=layers, num_experts=PADDING_EXPERTS)
         run = model if mode == "eager" else torch.compile(model, backend=OURS, options={
             "driver": "emulate", "dynamic_padding": mode, "cuda_graph_warmup_steps": 1})
+
         def step(seed):  # a training step as torch's optimizers expect it: grads cleared to None after it
-            SPEC.loss(run, SPEC.example_inputs(batch=PADDING_BATCH[0], seq=PADDING_BATCH[1], seed=seed)[0]).backward()
+            (tokens,) = SPEC.example_inputs(batch=PADDING_BATCH[0], seq=PADDING_BATCH[1], seed=seed)
+            SPEC.loss(run, tokens).backward()
             model.zero_grad(set_to_none=True)
 
         for seed in range(warmup):

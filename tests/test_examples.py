@@ -10,14 +10,18 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_example(name, *args, timeout=180):
+def run_python(*argv, timeout=180):
     # The CPU path even on a GPU machine; one OpenMP thread, since spinning threads on a busy small host can
     # slow a run down 30x.
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{name} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{argv} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc.stdout
+
+
+def run_example(name, *args, timeout=180):
+    return run_python(os.path.join(ROOT, "examples", name), *args, timeout=timeout)
 
 
 @pytest.mark.parametrize("driver", ["auto", "emulate"])
@@ -65,11 +69,7 @@ def test_megatron_flags_migrations():
 def test_demo_prints_the_plan_and_trains_like_eager(args, captured):
     """`make demo`, the README's main job: on a CPU it plans, trains like eager and says what a GPU would
     capture; with padding and the emulate driver the experts' partitions are captured and replayed."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "cgcompile.demo", "--steps", "5", "--html", "", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
+    out = run_python("-m", "cgcompile.demo", "--steps", "5", "--html", "", *args, timeout=240)
     assert "cgcompile plan: cuda_graph_impl=local" in out
     pairs = re.findall(r"^step \d+: loss (\d+\.\d+) \(eager (\d+\.\d+)\)$", out, re.M)
     assert len(pairs) == 5 and all(ours == eager for ours, eager in pairs), pairs
