@@ -31,7 +31,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--driver", default="auto", help="auto | cuda | emulate | eager")
-    parser.add_argument("--dynamic-padding", default="off", help="off | max | buckets: capture the expert loop too")
+    parser.add_argument("--dynamic-padding", default="off", choices=("off", "max", "buckets"),
+                        help="max or buckets: capture the expert loop too")
     parser.add_argument("--html", default="cgcompile_plan.html", help="where to write the visual plan ('' to skip)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the backend's INFO lines")
     args = parser.parse_args(argv)
