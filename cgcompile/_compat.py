@@ -11,7 +11,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 __all__ = ["TorchDispatchMode", "aot_compile", "boxed", "cuda_end_allocate_to_pool", "cuda_release_pool",
-           "storage_key", "storage_use_count", "tree_flatten", "tree_unflatten"]
+           "functorch_level", "pop_functorch_level", "resolve_overload", "storage_key", "storage_use_count",
+           "tree_flatten", "tree_unflatten"]
 
 # torch.utils._pytree: the pytree helpers torch.compile itself uses; private module, stable API; checked 2.11, 2.13.
 from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: E402
@@ -126,3 +127,32 @@ def cuda_release_pool(device: torch.device, pool: Any) -> None:
 
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def functorch_level() -> int:
+    """How many functorch transforms (vmap, grad, jvp, ...) are active on this thread: 0 outside any.
+    torch._C._functorch.maybe_current_level (checked 2.11, 2.13), which returns None outside every transform."""
+    level = torch._C._functorch.maybe_current_level()
+    return 0 if level is None else int(level)
+
+
+def pop_functorch_level() -> None:
+    """Leave the innermost functorch transform, whatever its kind: the `_<kind>_decrement_nesting` that matches
+    torch._C._functorch.peek_interpreter_stack().key() (TransformType Vmap/Grad/Jvp/Functionalize; checked 2.11,
+    2.13). Used only to undo levels a trace left open."""
+    functorch = torch._C._functorch
+    kind = str(functorch.peek_interpreter_stack().key()).rsplit(".", 1)[-1].lower()
+    pop = {"vmap": functorch._vmap_decrement_nesting, "grad": functorch._grad_decrement_nesting,
+           "jvp": functorch._jvp_decrement_nesting, "functionalize": functorch._func_decrement_nesting}[kind]
+    pop()
+
+
+def resolve_overload(packet: Any, args: Sequence[Any], kwargs: dict) -> Any:
+    """The overload of aten `packet` that a call with these (real or fake) arguments dispatches to, or None when
+    no schema matches. torch._C._jit_resolve_packet (what OpOverloadPacket.__call__'s schema matching uses;
+    checked 2.11, 2.13) returns the overload name."""
+    try:
+        name = torch._C._jit_resolve_packet(packet._qualified_op_name, *args, **kwargs)
+    except Exception:
+        return None
+    return getattr(packet, name or "default", None)

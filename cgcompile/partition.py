@@ -26,6 +26,7 @@ from .config import CudaGraphConfig, CudaGraphImpl
 from .errors import ConfigError
 from .passes import Finding, RegionInfo, analyze, compute_nodes, module_regions, node_location
 from .passes.common import PADDED, counts_as_op, node_module_path, op_name
+from .passes.global_state import functorch_spans, grad_mode_after, is_state_node, state_effect
 
 CAPTURE, EAGER = "capture", "eager"
 LAYER_SCOPE, BLOCK_SCOPE = "layer", "block"
@@ -197,7 +198,9 @@ def plan_graph(gm: fx.GraphModule, config: CudaGraphConfig, index: int = 0, *, t
         scope = BLOCK_SCOPE if config.cuda_graph_impl == CudaGraphImpl.FULL_ITERATION else LAYER_SCOPE
     findings = analyze(gm)
     regions = module_regions(gm)
-    nodes = list(compute_nodes(gm))
+    # Global-state nodes (grad mode, autocast, functorch levels) are not ops: they are placed with the ops they
+    # govern once the partitions stand (_place_state_nodes), so they never make islands of their own.
+    nodes = [n for n in compute_nodes(gm) if not is_state_node(n)]
     selected = _selected_tags(config) if scope == LAYER_SCOPE else frozenset()
     if selected and validate_tags:
         present = graph_tags(regions)
@@ -215,6 +218,7 @@ def plan_graph(gm: fx.GraphModule, config: CudaGraphConfig, index: int = 0, *, t
                                      detail=f"inside eager_region {info.eager_module}")
         elif node in findings:
             blocking[node] = findings[node][0]
+    _keep_functorch_levels_whole(gm, regions, blocking)
 
     if config.cuda_graph_impl == CudaGraphImpl.NONE or scope == OFF_SCOPE:
         runs = [_Run(EAGER, None, None, nodes)] if nodes else []
@@ -224,9 +228,48 @@ def plan_graph(gm: fx.GraphModule, config: CudaGraphConfig, index: int = 0, *, t
         runs = _span_runs(nodes, regions, blocking, cut_layers=scope == LAYER_SCOPE,
                           min_ops=config.min_partition_ops)
 
-    partitions = _finish(runs, regions, blocking, selected, config, scope)
+    partitions = _place_state_nodes(gm, _finish(runs, regions, blocking, selected, config, scope))
     all_findings = {n.name: tuple(findings.get(n, ())) for n in nodes if n in findings}
     return GraphPlan(index, partitions, scope, device, training, all_findings)
+
+
+def _keep_functorch_levels_whole(gm: fx.GraphModule, regions: Dict[fx.Node, RegionInfo],
+                                 blocking: Dict[fx.Node, Finding]) -> None:
+    """Make every op of one functorch level plan alike, so the level lands in one partition: one region (Dynamo
+    leaves the pop without a module stack) and, if any op of it cannot be captured, that op's finding on all."""
+    for span in functorch_spans(gm):
+        ops = [n for n in span if not is_state_node(n)]
+        if not ops:
+            continue
+        region = next((regions[n] for n in ops if regions[n].module is not None), regions[ops[0]])
+        first_block = next((blocking[n] for n in ops if n in blocking), None)
+        for node in ops:
+            regions[node] = region
+            if first_block is not None:
+                blocking.setdefault(node, first_block)
+
+
+def _place_state_nodes(gm: fx.GraphModule, partitions: List[Partition]) -> List[Partition]:
+    """Put each global-state node in the partition of the op it governs: a grad-mode switch or a block's entry
+    with the next op, a block's exit with the previous one (split_module re-enters grad mode and autocast in
+    every later partition, and split() closes them at each partition's end)."""
+    owner = {name: p for p in partitions for name in p.nodes}
+    order = {node.name: i for i, node in enumerate(gm.graph.nodes)}
+    compute = list(compute_nodes(gm))
+    placed: Dict[int, List[str]] = {}
+    for i, node in enumerate(compute):
+        effect = state_effect(node)
+        if effect is None:
+            continue
+        after = [n for n in compute[i + 1:] if n.name in owner]
+        before = [n for n in reversed(compute[:i]) if n.name in owner]
+        neighbours = before + after if effect == "exit" else after + before
+        if neighbours:
+            placed.setdefault(owner[neighbours[0].name].id, []).append(node.name)
+    for partition in partitions:
+        if partition.id in placed:
+            partition.nodes = tuple(sorted(partition.nodes + tuple(placed[partition.id]), key=order.__getitem__))
+    return partitions
 
 
 def _span_runs(nodes, regions, blocking, *, cut_layers: bool, min_ops: int) -> List[_Run]:
@@ -445,14 +488,42 @@ def hoist_scalar_input_reads(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def split(gm: fx.GraphModule, graph_plan: GraphPlan) -> fx.GraphModule:
-    """Cut the graph into one submodule per partition, named `submod_<partition id>`."""
+    """Cut the graph into one submodule per partition, named `submod_<partition id>`, each left in the grad mode
+    it was entered with (see close_grad_mode)."""
     owner = graph_plan.node_to_partition
     default = graph_plan.partitions[0].id if graph_plan.partitions else 0
 
     def callback(node: fx.Node) -> int:
         return owner.get(node.name, default)
 
-    return split_module(gm, None, callback, keep_original_order=True)
+    split_gm = split_module(gm, None, callback, keep_original_order=True)
+    close_grad_mode(gm, split_gm, graph_plan.training)
+    return split_gm
+
+
+def close_grad_mode(gm: fx.GraphModule, split_gm: fx.GraphModule, entry: bool) -> None:
+    """Make every partition leave grad mode as it found it, so none can be traced, captured or replayed with a
+    no_grad block left open (aot would trace the rest of the caller under it). split_module already re-enters
+    the mode at the start of each later partition; here each submodule restores the frame's entry mode before
+    returning, and the frame ends in the mode the original graph ends in."""
+    for name, submod in split_gm.named_children():
+        if isinstance(submod, fx.GraphModule) and _restore_grad_mode(submod, entry):
+            submod.recompile()
+    final = grad_mode_after(gm, entry)[next(n for n in reversed(gm.graph.nodes) if n.op == "output")]
+    if _restore_grad_mode(split_gm, entry, final):
+        split_gm.recompile()
+
+
+def _restore_grad_mode(gm: fx.GraphModule, entry: bool, target: Optional[bool] = None) -> bool:
+    """Insert `_set_grad_enabled(target)` (default: `entry`) before gm's output where gm, entered with `entry`,
+    would end in another mode. True if it changed gm."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    target = entry if target is None else target
+    if grad_mode_after(gm, entry)[output] == target:
+        return False
+    with gm.graph.inserting_before(output):
+        gm.graph.call_function(torch._C._set_grad_enabled, (target,))
+    return True
 
 
 def replace_submodule(split_gm: fx.GraphModule, name: str, fn) -> None:

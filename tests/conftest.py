@@ -1,4 +1,5 @@
-"""Shared test setup: the repo root on sys.path (for tests.models) and a clean Dynamo cache per test."""
+"""Shared test setup: the repo root on sys.path (for tests.models), a clean Dynamo cache per test, and a check
+that no test leaves thread-local state (grad mode, autocast, functorch levels, default dtype) changed."""
 
 import os
 import sys
@@ -11,9 +12,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
+    from cgcompile.runtime.global_state import GlobalState
     torch._dynamo.reset()
+    before = GlobalState.now()
     yield
     torch._dynamo.reset()
+    assert GlobalState.now() == before, "the test left global state changed"
 
 
 def pytest_collection_modifyitems(config, items):

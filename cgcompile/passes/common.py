@@ -11,6 +11,8 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.fx as fx
 
+from .. import _compat
+
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 _DYNAMO_ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")
 _INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
@@ -136,7 +138,10 @@ def aten_packet(node: fx.Node):
 
 
 def has_tag(node: fx.Node, tag: "torch.Tag") -> bool:
-    """Whether the op (or, for a torch-level call, its aten counterpart's default overload) carries `tag`."""
+    """Whether the op the node calls carries `tag`. For a torch-level call that is the aten overload its
+    arguments select (`repeat_interleave(x, 2)` is `.self_int`, static; `repeat_interleave(counts)` is
+    `.Tensor`, data-dependent), resolved from the values Dynamo recorded; when the overloads of the op agree,
+    or the call cannot be resolved, any overload carrying the tag counts."""
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         return tag in target.tags
@@ -147,7 +152,16 @@ def has_tag(node: fx.Node, tag: "torch.Tag") -> bool:
         overloads = [getattr(packet, name) for name in packet.overloads()]
     except (AttributeError, RuntimeError):
         return False
-    return bool(overloads) and any(tag in o.tags for o in overloads[:1])
+    tagged = [tag in o.tags for o in overloads]
+    if all(tagged) or not any(tagged):
+        return bool(tagged) and tagged[0]
+    called = _compat.resolve_overload(packet, *_example_arguments(node))
+    return tag in called.tags if called is not None else True
+
+
+def _example_arguments(node: fx.Node) -> tuple:
+    """The node's (args, kwargs) with each input node replaced by the value Dynamo recorded for it."""
+    return fx.node.map_arg((node.args, node.kwargs), example_value)
 
 
 def is_scalar_input_read(node: fx.Node) -> bool:

@@ -21,6 +21,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 
 from .. import _compat
+from .global_state import preserved_global_state
 
 __all__ = ["CaptureError", "CapturedGraph", "CudaDriver", "Driver", "EagerDriver", "EmulateDriver",
            "get_driver", "host_sync_reason", "is_capturing", "is_replaying", "release_cuda_graphs"]
@@ -275,7 +276,8 @@ class EmulateDriver(Driver):
     reading the captured addresses; emulate reads whatever fn closes over now); Python side effects in fn
     happen on every replay (a real graph runs them only at capture); memory pools are not emulated, so
     pool-sharing mistakes do not show; host syncs hidden inside a custom op's kernel are not detected.
-    RNG works as on CUDA with registered generators: each replay draws fresh numbers.
+    RNG: capture leaves every generator as it found it, and each replay draws from the CPU default generator
+    as the eager call would have (the same numbers, in the same order).
     """
 
     name = "emulate"
@@ -295,7 +297,8 @@ class EmulateDriver(Driver):
                                "(emulated: an earlier capture into this pool failed)")
         undo = _WriteUndo()
         try:
-            with _emulating(), _HostSyncGuard(), undo, torch.no_grad():
+            # A real capture runs nothing: no write (undo), no random draw and no state change may survive it.
+            with preserved_global_state(rng=True), _emulating(), _HostSyncGuard(), undo, torch.no_grad():
                 outputs = list(fn(list(static_inputs)))
         except BaseException:
             # torch leaves a pool whose capture failed marked as recording (the host allocator's side cannot be
@@ -415,7 +418,8 @@ class CudaDriver(Driver):
             current = torch.cuda.current_stream()
             stream.wait_stream(current)
             if warmup:
-                with torch.cuda.stream(stream), _HostSyncGuard(on_cuda=True):
+                # The warmup's draws must not shift the generator: the replay after capture draws what eager would.
+                with preserved_global_state(rng=True), torch.cuda.stream(stream), _HostSyncGuard(on_cuda=True):
                     fn(list(static_inputs))  # result dropped at once: its memory is free for the capture
             torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize(self.device)
@@ -424,7 +428,8 @@ class CudaDriver(Driver):
             graph = torch.cuda.CUDAGraph()
             failure: List[BaseException] = []
             try:
-                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                with preserved_global_state(), \
+                        torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                     try:
                         outputs = list(fn(list(static_inputs)))
                     except BaseException as exc:

@@ -26,6 +26,7 @@ import torch.fx as fx
 from .. import _compat
 from ..counters import record as _record
 from .driver import Driver
+from .global_state import preserved_global_state
 from .graphs import (_BORROWED, _CONST, _MISMATCH, _OWNED, _PARAM, _Graph, _mutated_inputs, _static_buffer,
                      _storage_ptr, is_static_tensor)
 from .model_runtime import ModelRuntime
@@ -207,8 +208,9 @@ class _Variant:
         self.forward: Optional[_Family] = None
         self.backward: Optional[_Family] = None
         self.inference: Optional[_Family] = None
-        self.fn = _compat.aot_compile(part.traced, args, self._runner,
-                                      inductor=str(part.config.inner_compiler) == "inductor")
+        with preserved_global_state():  # tracing runs the partition's grad-mode/vmap switches for real
+            self.fn = _compat.aot_compile(part.traced, args, self._runner,
+                                          inductor=str(part.config.inner_compiler) == "inductor")
 
     def _runner(self, kind: str, run: Callable[[list], Any], gm: fx.GraphModule) -> Callable[[list], Any]:
         """Called by aot for each graph it compiles: what aot runs instead of it."""

@@ -33,6 +33,7 @@ import torch.fx as fx
 from .. import counters
 from ..errors import ConfigError
 from ..partition import replace_submodule
+from .global_state import preserved_global_state
 from .local import is_static_tensor
 from .release import register
 
@@ -160,7 +161,8 @@ class TEFrame:
             return
         stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         try:
-            graphed = self.graphing_fn(callables, samples, **self.te_options)
+            with preserved_global_state(rng=True):  # its warmup runs must not shift the random streams
+                graphed = self.graphing_fn(callables, samples, **self.te_options)
         except Exception as exc:
             if stream is not None:
                 # torch.cuda.graph.__exit__ (2.11, 2.13) raises from capture_end() before restoring the stream

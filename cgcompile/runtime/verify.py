@@ -1,8 +1,9 @@
 """Option `verify=N`: run each captured partition's eager code beside it for its first N calls after warmup
 (the first replays) and report the largest difference, so a user can check a capture on their own model before trusting it.
 
-The eager reference runs under no_grad on copies of the inputs (a partition may mutate its inputs). Ops that
-draw random numbers (dropout) legitimately differ between the two runs.
+The eager reference runs under no_grad on copies of the inputs (a partition may mutate its inputs), from the
+random state the captured call started with, which is put back afterwards: both draw the same numbers, and the
+stream goes on as if only the captured call had run.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from .. import _compat, counters
+from .global_state import RngState, preserved_global_state
 
 log = logging.getLogger("cgcompile")
 
@@ -50,9 +52,13 @@ class VerifiedPartition(torch.nn.Module):
         self.remaining -= 1
         self.calls += 1
         copies = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
+        before = RngState.now()
         out = self.runtime_fn(*args)
-        with torch.no_grad():
+        after = RngState.now()
+        before.restore()
+        with torch.no_grad(), preserved_global_state():
             expected = self.submod(*copies)
+        after.restore()
         diff = _max_difference(out, expected)
         counters.record_max("verify_max_diff", self.name, diff)
         log.info("cgcompile verify: %s call %d: max |captured - eager| = %.3g", self.name, self.calls, diff)
