@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-nightly bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,6 +19,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The randomized parity test with fresh randomness and many more examples (CI runs a fixed set of 200).
+test-nightly: $(VENV)/.installed
+	CGCOMPILE_FUZZ_NIGHTLY=1 $(PY) -m pytest -q tests/test_random_models.py $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_cpu.py
