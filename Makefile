@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-nightly bench clean
+.PHONY: demo test test-nightly bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +26,13 @@ test-nightly: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_cpu.py
+
+# On a CUDA machine: installs into that machine's Python and torch (not .venv), runs the GPU tests and benchmarks
+# under time limits, writes one markdown report. Without CUDA it prints what it would run and fails.
+GPU_PYTHON ?= python3
+REPORT ?= gpu-check.md
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py --report "$(REPORT)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -14,18 +14,18 @@ deadline and the tests fail with its output.
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+try:
+    from tests.spawn import init_gloo, run_ranks, write_result
+except ModuleNotFoundError:  # tests/ itself on sys.path
+    from spawn import init_gloo, run_ranks, write_result
+
 WORLD = 2
 TIMEOUT_S = 100
 STEPS = 2
@@ -126,15 +126,11 @@ def _emulated_steps(rank, group):
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    sys.path.insert(0, REPO)
-    from datetime import timedelta
-
+    init_gloo(rank, world, port, TIMEOUT_S)
     import cgcompile
     from cgcompile.backend import record_plans
     from tests.models import ep_moe
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=TIMEOUT_S))
     group = dist.group.WORLD
     result = {"rank": rank, "ep_lines": {k: ep_moe.ep_lines(k) for k in
                                          ("sync", "a2a", "counts_a2a", "all_reduce")}}
@@ -190,51 +186,15 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         result["whole_layer_plans"] = [_plan_summary(gp, gm) for gp, gm in zip(plans, gms)]
     finally:
         dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(out_dir, rank, result)
 
 
 # ---- launcher (runs in pytest) ---------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Run the workers once for the module; [result of rank 0, result of rank 1]."""
-    out = tmp_path_factory.mktemp("ep")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONPATH=REPO)
-    if os.path.exists("/sys/class/net/lo"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo's transport on loopback
-    port = _free_port()
-    logs = [open(out / f"rank{rank}.log", "w+") for rank in range(WORLD)]
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(rank), str(WORLD), str(port), str(out)],
-                              cwd=REPO, env=env, stdout=logs[rank], stderr=subprocess.STDOUT)
-             for rank in range(WORLD)]
-    deadline = time.monotonic() + TIMEOUT_S
-    # Wait for all; a worker that fails leaves its peer blocked in a collective, so stop the rest at once.
-    while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
-        if any(proc.poll() for proc in procs):
-            break
-        time.sleep(0.1)
-    hung = any(proc.poll() is None for proc in procs) and not any(proc.poll() for proc in procs)
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    text = []
-    for rank, log in enumerate(logs):
-        log.seek(0)
-        text.append(f"--- rank {rank} (exit {procs[rank].returncode}) ---\n" + log.read()[-6000:])
-        log.close()
-    if hung:
-        pytest.fail(f"EP workers did not finish within {TIMEOUT_S}s:\n" + "\n".join(text))
-    if any(proc.returncode for proc in procs):
-        pytest.fail("EP workers failed:\n" + "\n".join(text))
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    return run_ranks(__file__, tmp_path_factory.mktemp("ep"), WORLD, TIMEOUT_S, "EP")
 
 
 def _lines(result, kind):

@@ -1,0 +1,86 @@
+"""benchmarks/gpu_check.py on a machine without CUDA: it names what it would run and exits non-zero; and the
+parts that keep it from hanging (a stage past its limit is killed with its children, the overall budget) and
+read its stages' output, run for real on small commands."""
+
+import os
+import subprocess
+import sys
+import time
+
+from benchmarks import gpu_check
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_without_cuda_prints_the_plan_and_exits_non_zero(tmp_path):
+    report = tmp_path / "report.md"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--report", str(report)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == gpu_check.NO_CUDA_EXIT, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("gpu-check: no CUDA device"), proc.stdout
+    for stage in ("install", "gpu-tests", "bench-moe", "bench-decode", "gpu-nccl"):
+        assert f"  {stage} (limit " in proc.stdout, proc.stdout
+    assert "--no-build-isolation -e ." in proc.stdout and "--timeout=" in proc.stdout
+    assert "bench_gpu.py --quick --models moe" in proc.stdout and "--models decode" in proc.stdout
+    assert not report.exists()
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def test_a_stage_past_its_limit_is_killed_with_its_children(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time; "
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(child.pid)); print('started', flush=True); time.sleep(120)")
+    stage = gpu_check.Stage("sleeper", [sys.executable, "-c", script], 120, gpu_check.summarize_tail)
+    started = time.monotonic()
+    outcome = gpu_check.run_stage(stage, 3, str(tmp_path / "sleeper.log"))
+    assert time.monotonic() - started < 30
+    assert outcome.status == "timed out after 3 s (killed)" and outcome.lines == ["started"], outcome
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the kill is asynchronous
+        if not _alive(child):
+            break
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+def test_stages_past_the_overall_budget_are_not_run(tmp_path):
+    quick = gpu_check.Stage("quick", [sys.executable, "-c", "print('hi')"], 60, gpu_check.summarize_tail)
+    failing = gpu_check.Stage("failing", [sys.executable, "-c", "raise SystemExit(3)"], 60, gpu_check.summarize_tail)
+    outcomes = gpu_check.run_all([quick, failing], 60, str(tmp_path))
+    assert [o.status for o in outcomes] == ["ok", "failed (exit 3)"]
+    assert outcomes[0].lines == ["hi"]
+    one_second = gpu_check.Stage("one-second", [sys.executable, "-c", "import time; time.sleep(1)"], 60,
+                                 gpu_check.summarize_tail)
+    outcomes = gpu_check.run_all([one_second, quick], 10.5, str(tmp_path))
+    assert outcomes[0].status == "ok" and outcomes[1].status == "not run: overall budget of 10 s used", outcomes
+
+
+def test_test_results_are_read_from_pytest_output(tmp_path):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_sample.py").write_text("import pytest\n\ndef test_ok():\n    pass\n\ndef test_bad():\n"
+                                          "    assert False\n\n@pytest.mark.skip\ndef test_skipped():\n    pass\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "tests"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    lines = gpu_check.summarize_tests(proc.stdout)
+    assert lines[:3] == ["tests/test_sample.py::test_ok: PASSED", "tests/test_sample.py::test_bad: FAILED",
+                         "tests/test_sample.py::test_skipped: SKIPPED"], proc.stdout
+    assert lines[3].startswith("total: 1 failed, 1 passed, 1 skipped"), lines
+
+
+def test_the_report_names_every_stage_and_its_failure(tmp_path):
+    ok = gpu_check.Outcome(gpu_check.Stage("a", ["true"], 1, gpu_check.summarize_tail), "ok", 1.0, "x", ["x"])
+    bad = gpu_check.Outcome(gpu_check.Stage("b", ["false"], 1, gpu_check.summarize_tail), "failed (exit 1)", 2.0,
+                            "boom", [])
+    text = gpu_check.report_text(["- device: d"], [ok, bad], 3.0, "logs")
+    assert "| a | ok | 1 |" in text and "| b | failed (exit 1) | 2 |" in text
+    assert "## b: failed (exit 1)" in text and "```\nboom\n```" in text
