@@ -55,6 +55,12 @@ class Block(nn.Module):
                 positive = (h > 0).sum().item()
                 scale = h.abs().mean() + positive / h.numel()
             h = torch.relu(h) * scale
+        elif p == "view_then_no_grad_host_read":  # a view of the block's input, then the block above on it
+            flat = x.reshape(-1, D)
+            with torch.no_grad():
+                positive = (flat > 0).sum().item()
+                scale = flat.abs().mean() + positive / flat.numel()
+            h = (self.lin(torch.relu(flat)) * scale).reshape(x.shape)
         elif p == "enable_grad_in_no_grad":  # a differentiable island inside a no_grad block
             with torch.no_grad():
                 stat = h.detach().square().mean()
@@ -82,7 +88,7 @@ class Block(nn.Module):
         return x + h
 
 
-PATTERNS = ("plain", "no_grad_stats", "no_grad_host_read", "enable_grad_in_no_grad", "autocast", "scan",
+PATTERNS = ("plain", "no_grad_stats", "no_grad_host_read", "view_then_no_grad_host_read", "enable_grad_in_no_grad", "autocast", "scan",
             "noise", "inplace", "repeat")
 TAGS = (None, "attn", "mlp", "custom")
 
@@ -171,7 +177,7 @@ def test_random_models_train_like_eager(layout, data, min_ops, strict_modules, s
     assert stats["eager_fallbacks"] == [], stats["eager_fallbacks"]
     # every island says why, with the user's line, and only the patterns that need one make one
     explained = {"eager_region", "untagged", "not_selected", "too_small"} | (
-        {"host_sync", "dynamic_shape"} if any(p == "no_grad_host_read" for p, _, _ in layout)
+        {"host_sync", "dynamic_shape"} if any(p.endswith("host_read") for p, _, _ in layout)
                                     else set())
     for graph in rec.graphs:
         for partition in graph.partitions:
