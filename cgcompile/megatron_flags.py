@@ -274,7 +274,7 @@ def check_combination(
     Migration), the inference scope with the impl's default filled in, and the rewrites made.
 
     With impl ``none`` nothing is captured, so, as in Megatron-Core, the module rules are not applied; the
-    modules are kept so the plan still shows what would be captured.
+    modules are kept as given, so the plan header still shows the selection.
     """
     impl_text = spelled.get("cuda_graph_impl", f"cuda_graph_impl={impl.value!r}")
     modules_text = spelled.get("cuda_graph_modules", f"cuda_graph_modules={show_list(modules)}")
