@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-nightly bench gpu-check clean
+.PHONY: demo test test-nightly bench gpu-check megatron-parity megatron-record clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,5 +34,23 @@ REPORT ?= gpu-check.md
 gpu-check:
 	$(GPU_PYTHON) benchmarks/gpu_check.py --report "$(REPORT)"
 
+# Megatron-Core parity, live: the parity cases through megatron.core itself (it needs Python >= 3.12 and torch;
+# PyPI's torch, a large download, is installed into that venv on first use). MCORE_VENV=... reuses a venv.
+MCORE_PYTHON ?= python3.12
+MCORE_VENV ?= .venv-mcore
+MCORE_PY := $(MCORE_VENV)/bin/python
+
+$(MCORE_VENV)/.installed:
+	test -x $(MCORE_PY) || $(MCORE_PYTHON) -m venv $(MCORE_VENV)
+	$(MCORE_PY) -m pip install -q "megatron-core==0.19.2" pytest
+	touch $@
+
+megatron-parity: $(MCORE_VENV)/.installed
+	PYTHONPATH=$(CURDIR) $(MCORE_PY) -m pytest -q -p no:cacheprovider tests/test_megatron_parity.py
+
+# Re-record tests/data/megatron_core_<version>.json from the installed megatron-core.
+megatron-record: $(MCORE_VENV)/.installed
+	PYTHONPATH=$(CURDIR) $(MCORE_PY) tests/megatron_oracle.py --write
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(MCORE_VENV) build *.egg-info

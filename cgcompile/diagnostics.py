@@ -93,6 +93,9 @@ def capture_sizes_line(graph: GraphPlan, config) -> str:
 
 def format_plan(plan: Plan) -> str:
     lines: List[str] = [f"cgcompile plan: {describe_config(plan.config)}"]
+    migrations = getattr(plan.config, "migrations", ())
+    if migrations:
+        lines.append(f"options rewritten: {'; '.join(map(str, migrations))}")
     for graph in plan.graphs:
         lines.append(summary_line(graph, plan.config))
         lines.append(format_table(graph))

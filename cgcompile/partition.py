@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from .config import CudaGraphConfig, CudaGraphImpl
+from .megatron_flags import unmatched_selection
 from .errors import ConfigError
 from .passes import Finding, RegionInfo, analyze, compute_nodes, module_regions, node_location
 from .passes.common import PADDED, counts_as_op, node_module_path, op_name
@@ -169,7 +170,7 @@ def check_selected_tags(config: CudaGraphConfig, present: Sequence[str]) -> None
     """A selected module name that no module carries is almost always a typo or a missing tag: say so."""
     selected = _selected_tags(config)
     present_set = set(present)
-    missing = sorted(selected - present_set)
+    missing = unmatched_selection(config.cuda_graph_impl, selected, present_set)
     if not missing:
         return
     shown = ", ".join(sorted(present_set)) or "none"

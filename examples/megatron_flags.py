@@ -1,10 +1,13 @@
-"""Megatron-LM's deprecated CUDA-graph flags, migrated: each input, its FutureWarning, and the normalized config.
+"""Megatron-LM's CUDA-graph flags, normalized as Megatron-Core 0.19.2 does: each input, its warning, the config.
 
-cgcompile accepts the options Megatron users already have in their configs. The old spellings
-(`enable_cuda_graph`, `external_cuda_graph`, `cuda_graph_scope`) are rewritten to the current vocabulary
-(`cuda_graph_impl`, `cuda_graph_modules`, `inference_cuda_graph_scope`), each with one FutureWarning and a record
-in `config.migrations`; contradictory combinations raise one ConfigError that names the fix. No model, no
-device: this is pure option normalization (cgcompile/config.py), so it runs the same on CPU and GPU.
+cgcompile accepts the options Megatron users already have in their configs and gives them the meaning
+Megatron-Core 0.19.2's TransformerConfig gives them (README "Megatron compatibility" lists where it is
+deliberately friendlier). The old spellings (`enable_cuda_graph`, `external_cuda_graph`, `cuda_graph_scope`,
+the scope values `full`, `full_iteration`, `full_iteration_inference`) are rewritten to the current vocabulary
+(`cuda_graph_impl`, `cuda_graph_modules`, `inference_cuda_graph_scope`), each with one FutureWarning; every
+rewrite, also the local impl's silent moe_router/moe_preprocess pairing, is recorded in `config.migrations`.
+Contradictory combinations raise one ConfigError that names the fix. No model, no device: this is pure option
+normalization (cgcompile/megatron_flags.py), so it runs the same on CPU and GPU.
 
     python examples/megatron_flags.py
 """
@@ -20,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import cgcompile  # noqa: E402
 
-# The migrations of Megatron-LM's CUDA-graph docs (design.md section 2), then two inputs it rejects.
+# The migrations of Megatron-LM's CUDA-graph docs, Megatron-Core 0.19.2's own rules, then two inputs it rejects.
 CASES = [
     {"enable_cuda_graph": True},
     {"external_cuda_graph": True},
@@ -30,9 +33,15 @@ CASES = [
     {"cuda_graph_scope": ["attn", "moe_router", "moe_preprocess", "full_iteration_inference"]},
     {"cuda_graph_scope": "full"},
     {"enable_cuda_graph": True, "cuda_graph_scope": "attn,mlp"},
-    # rejected: old and new spelling of one option; a Megatron rule (moe_preprocess needs moe_router)
+    # Megatron-Core 0.19.2: impl 'none' is its default, so the old flag still applies; no module rules under
+    # 'none' (nothing is captured; the plan shows what would be); its default modules value "full"
+    {"enable_cuda_graph": True, "cuda_graph_impl": "none"},
+    {"cuda_graph_impl": "none", "cuda_graph_modules": ["moe", "moe_router"]},
+    {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": "full"},
+    # rejected: old and new spelling of one option; a Megatron rule (moe_preprocess needs moe_router, with
+    # transformer_engine: the local impl selects the pair)
     {"cuda_graph_scope": ["attn"], "cuda_graph_modules": ["mlp"]},
-    {"cuda_graph_modules": ["attn", "moe_preprocess"]},
+    {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["attn", "moe_preprocess"]},
 ]
 
 
@@ -58,7 +67,7 @@ def show(options: dict) -> bool:
 def main(argv=None) -> int:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     accepted = sum(show(case) for case in CASES)
-    print(f"{accepted} migrated, {len(CASES) - accepted} rejected")
+    print(f"{accepted} accepted, {len(CASES) - accepted} rejected")
     return 0
 
 

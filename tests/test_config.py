@@ -31,13 +31,14 @@ from_options = CudaGraphConfig.from_options
 
 
 def migrate(options):
-    """from_options, asserting exactly one FutureWarning per recorded migration."""
+    """from_options, asserting exactly one FutureWarning per recorded deprecated-spelling migration."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         config = from_options(options)
     future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
-    assert len(future) == len(config.migrations)
-    for migration, message in zip(config.migrations, future):
+    deprecated = [m for m in config.migrations if m.deprecated]
+    assert len(future) == len(deprecated)
+    for migration, message in zip(deprecated, future):
         assert str(migration) in message
     return config
 
@@ -157,9 +158,85 @@ def test_none_values_count_as_not_given():
     assert from_options({"cuda_graph_scope": None, "cuda_graph_impl": None, "te": None}) == CudaGraphConfig()
 
 
-def test_empty_deprecated_scope_is_a_no_op():
-    config = migrate({"cuda_graph_scope": [], "cuda_graph_modules": ["attn"]})
-    assert config.cuda_graph_modules == (M.ATTN,) and config.migrations == ()
+def test_empty_deprecated_scope_is_still_the_deprecated_option():
+    # Megatron-Core 0.19.2 warns for any cuda_graph_scope, [] included, and rejects it beside real modules
+    config = migrate({"cuda_graph_scope": [], "cuda_graph_impl": "local"})
+    assert config.cuda_graph_modules == () and [str(m) for m in config.migrations] == [
+        "cuda_graph_scope=[] -> cuda_graph_modules=[]"]
+    assert "old and new spelling" in error_of({"cuda_graph_scope": [], "cuda_graph_modules": ["attn"]})
+
+
+@pytest.mark.parametrize("modules", [[], "full", "FULL"])
+def test_scope_beside_megatrons_default_modules_is_migrated(modules):
+    # an argument dump carries cuda_graph_modules at its default ([] or "full") beside the old cuda_graph_scope
+    config = migrate({"cuda_graph_scope": ["attn"], "cuda_graph_modules": modules})
+    assert config.cuda_graph_modules == (M.ATTN,)
+    assert [str(m) for m in config.migrations] == ["cuda_graph_scope=['attn'] -> cuda_graph_modules=['attn']"]
+
+
+@pytest.mark.parametrize("given", [["moe_router"], ["moe_preprocess"], ["attn", "moe_router"]])
+def test_local_impl_pairs_moe_router_and_moe_preprocess(given):
+    config = migrate({"cuda_graph_impl": "local", "cuda_graph_modules": given})
+    expected = tuple(M(n) for n in given) + tuple(m for m in (M.MOE_ROUTER, M.MOE_PREPROCESS) if m.value not in given)
+    assert config.cuda_graph_modules == expected
+    (rewrite,) = config.migrations
+    assert not rewrite.deprecated  # Megatron-Core pairs them silently: recorded, no FutureWarning
+    assert str(rewrite).startswith(f"cuda_graph_modules={given!r} -> cuda_graph_modules={[m.value for m in expected]!r}")
+    # other impls keep the selection as given, and transformer_engine still needs moe_router
+    te = from_options({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["attn", "moe_router"]})
+    assert te.cuda_graph_modules == (M.ATTN, M.MOE_ROUTER) and te.migrations == ()
+    message = error_of({"cuda_graph_impl": "local", "cuda_graph_modules": ["moe", "moe_preprocess"]})
+    assert "both 'moe' and 'moe_preprocess'" in message and "together with 'moe_router'" in message
+
+
+def test_impl_none_keeps_the_modules_unchecked():
+    # nothing is captured, so Megatron-Core skips the module rules; the plan still shows the selection
+    for modules in (["moe", "moe_router"], ["moe_preprocess"]):
+        config = migrate({"cuda_graph_impl": "none", "cuda_graph_modules": modules})
+        assert [m.value for m in config.cuda_graph_modules] == modules and config.migrations == ()
+
+
+@pytest.mark.parametrize(
+    "options, expected, recorded",
+    [
+        ({"enable_cuda_graph": True, "cuda_graph_impl": "none"}, ("local", (), "layer"),
+         ["enable_cuda_graph=True, cuda_graph_impl='none' (Megatron's default) -> cuda_graph_impl='local'"]),
+        ({"external_cuda_graph": True, "cuda_graph_impl": "none"}, ("transformer_engine", (), "none"),
+         ["external_cuda_graph=True, cuda_graph_impl='none' (Megatron's default) -> "
+          "cuda_graph_impl='transformer_engine'"]),
+        ({"cuda_graph_impl": "none", "cuda_graph_scope": ["full_iteration"]}, ("full_iteration", (), "none"),
+         ["cuda_graph_scope=['full_iteration'] -> cuda_graph_impl='full_iteration'"]),
+        ({"cuda_graph_impl": "none", "cuda_graph_scope": ["attn", "full_iteration_inference"]},
+         ("none", (M.ATTN,), "none"),
+         ["cuda_graph_scope=['attn', 'full_iteration_inference'] -> cuda_graph_modules=['attn'] "
+          "(full_iteration_inference has no effect with cuda_graph_impl='none'; use cuda_graph_impl='local' "
+          "with inference_cuda_graph_scope='block')"]),
+    ],
+)
+def test_explicit_impl_none_counts_as_not_set(options, expected, recorded):
+    config = migrate(options)
+    assert (config.cuda_graph_impl, config.cuda_graph_modules, config.inference_cuda_graph_scope) == expected
+    assert [str(m) for m in config.migrations] == recorded
+
+
+@pytest.mark.parametrize(
+    "options, expected, recorded",
+    [
+        ({"cuda_graph_impl": "local", "cuda_graph_modules": "full"}, ("local", (), "layer"),
+         "cuda_graph_modules=['full'] -> cuda_graph_modules=[] (whole layer)"),
+        ({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["full"]},
+         ("transformer_engine", (), "none"), "cuda_graph_modules=['full'] -> cuda_graph_modules=[] (whole layer)"),
+        ({"cuda_graph_modules": ["full_iteration"]}, ("full_iteration", (), "none"),
+         "cuda_graph_modules=['full_iteration'] -> cuda_graph_impl='full_iteration'"),
+        ({"cuda_graph_modules": ["attn", "full_iteration_inference"]}, ("local", (M.ATTN,), "block"),
+         "cuda_graph_modules=['attn', 'full_iteration_inference'] -> cuda_graph_modules=['attn'], "
+         "inference_cuda_graph_scope='block'"),
+    ],
+)
+def test_deprecated_values_in_cuda_graph_modules_are_migrated(options, expected, recorded):
+    config = migrate(options)  # Megatron-Core 0.19.2's own default for cuda_graph_modules is still "full"
+    assert (config.cuda_graph_impl, config.cuda_graph_modules, config.inference_cuda_graph_scope) == expected
+    assert [str(m) for m in config.migrations] == [recorded]
 
 
 def test_false_deprecated_flags_are_dropped_silently():
@@ -171,7 +248,9 @@ def test_direct_construction_normalizes():
     config = CudaGraphConfig(cuda_graph_impl="LOCAL", cuda_graph_modules="attn, custom", driver="cuda")
     assert config == from_options({"cuda_graph_modules": ["attn", "custom"], "driver": "cuda"})
     with pytest.raises(ConfigError, match="moe_preprocess' requires 'moe_router'"):
-        CudaGraphConfig(cuda_graph_modules=["moe_preprocess"])
+        CudaGraphConfig(cuda_graph_impl="transformer_engine", cuda_graph_modules=["moe_preprocess"])
+    paired = CudaGraphConfig(cuda_graph_modules=["moe_preprocess"])  # the local impl selects the router pair
+    assert paired.cuda_graph_modules == (M.MOE_PREPROCESS, M.MOE_ROUTER) and len(paired.migrations) == 1
 
 
 # --- migration table (design.md section 2) ----------------------------------------------------------
@@ -315,7 +394,7 @@ def test_inference_scope_message_names_the_deprecated_origin():
             ["cuda_graph_scope=['moe', 'moe_router']", "both 'moe' and 'moe_router'"],
         ),
         (
-            {"cuda_graph_modules": ["attn", "moe_preprocess"]},
+            {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["attn", "moe_preprocess"]},
             ["cuda_graph_modules=['attn', 'moe_preprocess']", "'moe_preprocess' requires 'moe_router'",
              "add 'moe_router'"],
         ),
@@ -336,7 +415,7 @@ def test_module_rules(options, fragments):
              "keep only cuda_graph_modules"],
         ),
         (
-            {"cuda_graph_scope": ["full_iteration"], "cuda_graph_modules": []},
+            {"cuda_graph_scope": ["full_iteration"], "cuda_graph_modules": ["attn"]},
             ["cuda_graph_scope=['full_iteration']", "keep only cuda_graph_modules",
              "cuda_graph_impl='full_iteration'"],
         ),
@@ -345,8 +424,8 @@ def test_module_rules(options, fragments):
             ["enable_cuda_graph=True", "cuda_graph_impl='local'", "old and new spelling", "drop enable_cuda_graph"],
         ),
         (
-            {"external_cuda_graph": True, "cuda_graph_impl": "none"},
-            ["external_cuda_graph=True", "cuda_graph_impl='none'", "drop external_cuda_graph",
+            {"external_cuda_graph": True, "cuda_graph_impl": "full_iteration"},
+            ["external_cuda_graph=True", "cuda_graph_impl='full_iteration'", "drop external_cuda_graph",
              "cuda_graph_impl='transformer_engine'"],
         ),
         (
@@ -369,8 +448,8 @@ def test_module_rules(options, fragments):
              "set only cuda_graph_impl='full_iteration'"],
         ),
         (
-            {"cuda_graph_impl": "none", "cuda_graph_scope": ["full_iteration_inference"]},
-            ["cuda_graph_scope=['full_iteration_inference']", "conflicts with cuda_graph_impl='none'",
+            {"cuda_graph_impl": "full_iteration", "cuda_graph_scope": ["full_iteration_inference"]},
+            ["cuda_graph_scope=['full_iteration_inference']", "conflicts with cuda_graph_impl='full_iteration'",
              "needs cuda_graph_impl='local'"],
         ),
         (
@@ -403,8 +482,10 @@ def test_old_and_new_spellings_conflict(options, fragments):
         ("full", "leave cuda_graph_modules empty"),
     ],
 )
-def test_deprecated_values_are_not_modules(value, fix):
-    message = error_of({"cuda_graph_modules": ["attn", value]})
+def test_deprecated_values_are_not_modules_of_a_directly_built_config(value, fix):
+    with pytest.raises(ConfigError) as excinfo:
+        CudaGraphConfig(cuda_graph_modules=["attn", value])
+    message = str(excinfo.value)
     assert "cuda_graph_modules" in message and repr(value) in message and fix in message
 
 
@@ -662,10 +743,9 @@ def test_valid_options_normalize_idempotently(options):
     rebuilt = _quiet_from_options(config.to_options())
     assert rebuilt == config and hash(rebuilt) == hash(config)
     assert rebuilt.migrations == ()
-    scope = options.get("cuda_graph_scope", ())
-    scope_given = bool(scope.strip(", ") if isinstance(scope, str) else scope)  # "," and [] mean nothing
-    deprecated_used = scope_given or any(options.get(k) for k in ("enable_cuda_graph", "external_cuda_graph"))
-    assert bool(config.migrations) == bool(deprecated_used)
+    deprecated_used = "cuda_graph_scope" in options or any(
+        options.get(k) for k in ("enable_cuda_graph", "external_cuda_graph"))
+    assert any(m.deprecated for m in config.migrations) == bool(deprecated_used)
     json.dumps(config.to_json_dict())
 
 

@@ -61,8 +61,15 @@ def test_megatron_flags_migrations():
     assert "cuda_graph_modules=['attn', 'moe_router', 'moe_preprocess'], inference_cuda_graph_scope='block'" in mixed
     two = by_input["input:      {'enable_cuda_graph': True, 'cuda_graph_scope': 'attn,mlp'}"]
     assert two.count("FutureWarning") == 2 and two.count(" -> ") == 4  # two warnings, two recorded migrations
+    # Megatron-Core 0.19.2's local impl pairs moe_router with moe_preprocess: recorded, with no FutureWarning
+    router = by_input["input:      {'cuda_graph_scope': ['attn', 'moe_router']}"]
+    assert router.count("FutureWarning") == 1
+    assert "cuda_graph_modules=['attn', 'moe_router'] -> cuda_graph_modules=['attn', 'moe_router', " \
+           "'moe_preprocess'] (the local impl captures" in router
+    unset = by_input["input:      {'enable_cuda_graph': True, 'cuda_graph_impl': 'none'}"]  # 'none' = not set
+    assert "normalized: cuda_graph_impl='local'" in unset
     assert sum("ConfigError: " in b for b in blocks) == 2
-    assert out.rstrip().endswith("8 migrated, 2 rejected")
+    assert out.rstrip().endswith("11 accepted, 2 rejected")
 
 
 @pytest.mark.parametrize("args, captured", [((), False), (("--driver", "emulate", "--dynamic-padding", "buckets"), True)])
