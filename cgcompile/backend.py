@@ -26,8 +26,9 @@ from .runtime.local import ModelRuntime, compile_partition
 from .runtime.release import release
 from .runtime.te import TEFrame, resolve_graphing_fn
 from .runtime.verify import VerifiedPartition
-from .partition import (BLOCK_SCOPE, LAYER_SCOPE, OFF_SCOPE, GraphPlan, hoist_scalar_input_reads, plan_graph,
-                        replace_submodule, split)
+from .plan import BLOCK_SCOPE, LAYER_SCOPE, OFF_SCOPE, GraphPlan
+from .planner import plan_graph
+from .split import hoist_scalar_input_reads, replace_submodule, split
 
 register_with_torch_logs()
 
@@ -57,7 +58,7 @@ def scope_for(config: CudaGraphConfig, training: bool) -> Optional[str]:
 
 def make_plan(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGraphConfig, index: int, *,
               validate_tags: bool = True) -> GraphPlan:
-    """Plan one Dynamo graph for the current grad mode (hoisting scalar-input reads first, see partition.py)."""
+    """Plan one Dynamo graph for the current grad mode (hoisting scalar-input reads first, see split.py)."""
     training = torch.is_grad_enabled()
     scope = scope_for(config, training)
     hoist_scalar_input_reads(gm)

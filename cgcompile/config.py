@@ -28,7 +28,7 @@ __all__ = [
     "CudaGraphImpl",
     "CudaGraphModule",
     "CudaGraphScope",
-    "Driver",
+    "DriverKind",
     "InferenceCudaGraphScope",
     "DynamicPadding",
     "InnerCompiler",
@@ -104,7 +104,7 @@ class InferenceCudaGraphScope(_StrEnum):
     BLOCK = "block"
 
 
-class Driver(_StrEnum):
+class DriverKind(_StrEnum):
     """How captured partitions execute: real CUDA graphs, a CPU emulation of capture/replay, or eager."""
 
     AUTO = "auto"
@@ -238,7 +238,7 @@ class CudaGraphConfig:
     inference_cuda_graph_scope: InferenceCudaGraphScope | None = None
     cuda_graph_warmup_steps: int = 3
     inner_compiler: InnerCompiler = InnerCompiler.EAGER
-    driver: Driver = Driver.AUTO
+    driver: DriverKind = DriverKind.AUTO
     min_partition_ops: int = 2
     max_graphs_per_partition: int = 8
     strict_modules: bool = False
@@ -263,7 +263,7 @@ class CudaGraphConfig:
             "inference_cuda_graph_scope": _check_combination(impl, modules, inference, spelled={}),
             "cuda_graph_warmup_steps": _parse_int("cuda_graph_warmup_steps", self.cuda_graph_warmup_steps, 0),
             "inner_compiler": _parse_enum("inner_compiler", self.inner_compiler, InnerCompiler),
-            "driver": _parse_enum("driver", self.driver, Driver),
+            "driver": _parse_enum("driver", self.driver, DriverKind),
             "min_partition_ops": _parse_int("min_partition_ops", self.min_partition_ops, 1),
             "max_graphs_per_partition": _parse_int("max_graphs_per_partition", self.max_graphs_per_partition, 1),
             "strict_modules": _parse_bool("strict_modules", self.strict_modules),

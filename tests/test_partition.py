@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 import cgcompile
-from cgcompile.partition import layer_of, common_module
+from cgcompile.planner import layer_of, common_module
 from tests.models import MODELS, moe
 
 
