@@ -22,7 +22,8 @@ from .logs import register_with_torch_logs
 from .padding import pad_dynamic_rows
 from .passes import is_static_placeholder, node_location
 from .runtime.capture_sizes import BatchBuckets, batch_padding_blocker, batch_symbol
-from .runtime.local import ModelRuntime, compile_partition
+from .runtime.model_runtime import ModelRuntime
+from .runtime.partition_runner import compile_partition
 from .runtime.release import release
 from .runtime.te import TEFrame, resolve_graphing_fn
 from .runtime.verify import VerifiedPartition

@@ -15,7 +15,7 @@ from typing import Any, Dict, List
 
 import torch
 
-__all__ = ["graph_memory", "register", "release"]
+__all__ = ["graph_memory", "holders", "register", "release"]
 
 _holders: "weakref.WeakSet[Any]" = weakref.WeakSet()  # objects with release() (and maybe graph_memory())
 
@@ -24,6 +24,11 @@ def register(holder: Any) -> Any:
     """Track an object that holds graphs (ModelRuntime, CapturedStep, TEFrame) for release()."""
     _holders.add(holder)
     return holder
+
+
+def holders() -> List[Any]:
+    """The objects registered and still alive."""
+    return list(_holders)
 
 
 def release() -> None:

@@ -34,7 +34,7 @@ from .. import counters
 from ..errors import ConfigError
 from ..split import replace_submodule
 from .global_state import preserved_global_state
-from .local import is_static_tensor
+from .graph import is_static_tensor
 from .release import register
 
 log = logging.getLogger("cgcompile")
@@ -191,7 +191,8 @@ def emulated_make_graphed_callables(callables: Sequence[Any], sample_args: Seque
     """make_graphed_callables' contract on the CPU, through the emulate driver: each callable gets forward and
     backward graphs with static buffers; parameters among the sample args are static. For tests of the glue."""
     from ..config import CudaGraphConfig
-    from .local import ModelRuntime, compile_partition
+    from .model_runtime import ModelRuntime
+    from .partition_runner import compile_partition
 
     config = CudaGraphConfig.from_options({"driver": "emulate", "cuda_graph_warmup_steps": max(1, num_warmup_iters)})
     runtime = ModelRuntime(config, torch.device("cpu"))
