@@ -17,7 +17,7 @@ from cgcompile.padding import bucket_for, pad_dynamic_rows
 from cgcompile.passes.common import is_bucketed_producer
 from cgcompile.passes.row_flow import op_key, row_flow
 from cgcompile.passes.sync_ops import find_host_syncs
-from cgcompile.runtime.host_ops import HostOpCounter
+from cgcompile.profiling import HostOpCounter
 from tests.models import MODELS
 
 PADDED_MODELS = ["moe_mask", "mixtral", "qwen_moe"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cgcompile import reset_stats, stats
-from cgcompile.runtime.host_ops import HostOpCounter
+from cgcompile.profiling import HostOpCounter
 from tests.models import MODELS
 from tests.test_dynamic_padding import _options, _train_like_eager
 
