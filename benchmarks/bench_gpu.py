@@ -78,7 +78,7 @@ PADDED_VARIANTS = ("cg-local-eager+max", "cg-local-eager+buckets", "cg-local-ind
 VARIANTS = ("eager", "inductor", "reduce-overhead", "cg-local-eager", "cg-local-inductor", "cg-full-iteration",
             "cg-local-eager+sizes", "cg-local-inductor+sizes") + PADDED_VARIANTS
 MODELS = ("moe", "moe-fixed", "mixtral", "decode", "decode-varying")
-NEW_TOKEN_MOE = ("moe", "mixtral")  # the workloads issue 11's goals are about
+NEW_TOKEN_MOE = ("moe", "mixtral")  # the workloads the captured-experts goal is about
 COMPILE_CALLS = 5  # covers cgcompile's default 3 warmup steps + capture, and reduce-overhead's warmup + record
 
 
@@ -449,7 +449,7 @@ def goal_rows(all_results: Dict[str, Dict[str, Result]], judged: bool = True) ->
             row(f"decode-varying step faster than reduce-overhead ({v}; speedup)",
                 _ratio(get("decode-varying", "reduce-overhead", "step_ms"), get("decode-varying", v, "step_ms")),
                 lambda x: x > 1.0)
-    for w in NEW_TOKEN_MOE:  # issue 11: experts captured with dynamic_padding, new tokens every step
+    for w in NEW_TOKEN_MOE:  # experts captured with dynamic_padding, new tokens every step
         for v in PADDED_VARIANTS:
             if v not in all_results.get(w, {}):
                 continue

@@ -21,7 +21,8 @@ from .errors import ConfigError
 from .logs import register_with_torch_logs
 from .padding import pad_dynamic_rows
 from .passes import is_static_placeholder, node_location
-from .runtime.capture_sizes import BatchBuckets, batch_padding_blocker, batch_symbol
+from .passes.batch_rows import batch_layout, batch_padding_blocker, batch_symbol
+from .runtime.capture_sizes import BatchBuckets
 from .runtime.model_runtime import ModelRuntime
 from .runtime.partition_runner import compile_partition
 from .runtime.release import release
@@ -71,6 +72,8 @@ def make_plan(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGra
         if sym is not None:
             graph_plan.batch_symbol = str(sym)
             graph_plan.batch_padding_refused = batch_padding_blocker(gm, sym)
+            if graph_plan.batch_padding_refused is None:
+                graph_plan.batch_layout = batch_layout(gm, sym)
     return graph_plan
 
 
@@ -168,9 +171,8 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
         return runtime.finish_frame_outputs(forward(*args))
 
     run.runtime = runtime  # type: ignore[attr-defined]  # for tests and tools
-    if graph_plan.batch_symbol is not None and graph_plan.batch_padding_refused is None:
-        sym = batch_symbol(gm)
-        return BatchBuckets(gm, sym, run, config.capture_sizes, f"graph {graph_plan.index}")
+    if graph_plan.batch_layout is not None:
+        return BatchBuckets(graph_plan.batch_layout, run, gm.forward, config.capture_sizes, f"graph {graph_plan.index}")
     return run
 
 

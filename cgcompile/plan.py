@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from .passes.batch_rows import BatchLayout
 from .passes.common import Finding
 
 CAPTURE, EAGER = "capture", "eager"
@@ -58,6 +59,8 @@ class GraphPlan:
     # not_paddable Finding); both None when the option is off or the frame's batch is static.
     batch_symbol: Optional[str] = None
     batch_padding_refused: Optional[Finding] = None
+    # where the batch sits at the frame's boundary, when capture_sizes pads it (passes/batch_rows.py)
+    batch_layout: Optional[BatchLayout] = None
 
     @property
     def node_to_partition(self) -> Dict[str, int]:
@@ -71,7 +74,8 @@ class GraphPlan:
         return {"index": self.index, "scope": self.scope, "device": self.device, "training": self.training,
                 "partitions": [p.to_json() for p in self.partitions], "batch_symbol": self.batch_symbol,
                 "batch_padding_refused": (self.batch_padding_refused.to_json()
-                                          if self.batch_padding_refused else None)}
+                                          if self.batch_padding_refused else None),
+                "batch_layout": self.batch_layout.to_json() if self.batch_layout else None}
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import cgcompile  # noqa: E402
 
-# The migrations of Megatron-LM's CUDA-graph docs (design.md section 2), then two inputs it rejects.
+# The migrations of Megatron-LM's CUDA-graph options (cgcompile/config.py), then two inputs it rejects.
 CASES = [
     {"enable_cuda_graph": True},
     {"external_cuda_graph": True},

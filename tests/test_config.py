@@ -1,4 +1,4 @@
-"""cgcompile.config: option normalization, Megatron migrations and rejections (design.md section 2)."""
+"""cgcompile.config: option normalization, Megatron migrations and rejections."""
 
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ def test_direct_construction_normalizes():
         CudaGraphConfig(cuda_graph_modules=["moe_preprocess"])
 
 
-# --- migration table (design.md section 2) ----------------------------------------------------------
+# --- migration table (Megatron-LM's deprecated options) ----------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Region rules of the partition plan (design.md §4) on small tagged models and the model zoo."""
+"""Region rules of the partition plan (planner.py) on small tagged models and the model zoo."""
 
 import pytest
 import torch

@@ -384,7 +384,7 @@ def test_capture_wave_shares_a_pool_later_captures_do_not(caplog):
 
 def test_progress_display_for_a_long_capture_wave(monkeypatch, capsys, caplog):
     from cgcompile.runtime import model_runtime
-    monkeypatch.setattr(model_runtime, "_PROGRESS_AFTER_S", -1.0)  # every capture counts as "long"
+    monkeypatch.setattr(model_runtime, "PROGRESS_AFTER_S", -1.0)  # every capture counts as "long"
     monkeypatch.setitem(__import__("sys").modules, "tqdm", None)  # the plain stderr fallback
     rt = runtime()
     parts = [partition(lambda x: x * 2, rt, f"p{i}") for i in range(3)]

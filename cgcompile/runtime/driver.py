@@ -21,6 +21,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 
 from .. import _compat
+from ..passes.common import schema_writes
 from .global_state import preserved_global_state
 from .host_sync import host_sync_reason
 
@@ -191,7 +192,9 @@ def _poison(outputs: Sequence[Any], inputs: Sequence[Any]) -> None:
                     pass
 
 
-class _EmulatedGraph(CapturedGraph):
+class EmulatedGraph(CapturedGraph):
+    """What EmulateDriver.capture returns: replay() re-runs fn on the static inputs into the static outputs."""
+
     def __init__(self, fn: Fn, static_inputs: Sequence[Any], static_outputs: Sequence[Any]):
         super().__init__(static_inputs, static_outputs)
         self.fn = fn
@@ -257,7 +260,7 @@ class EmulateDriver(Driver):
         finally:
             undo.restore()
         _poison(outputs, static_inputs)
-        return _EmulatedGraph(fn, static_inputs, outputs)
+        return EmulatedGraph(fn, static_inputs, outputs)
 
 
 class _WriteUndo(_compat.TorchDispatchMode):
@@ -271,14 +274,11 @@ class _WriteUndo(_compat.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        schema = func._schema
-        if schema.is_mutable:
-            values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
-            for value, arg in zip(values, schema.arguments):
-                if isinstance(value, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write:
-                    storage = value.untyped_storage()
-                    if storage.data_ptr() not in self.saved and storage.nbytes():
-                        self.saved[storage.data_ptr()] = (storage, storage.clone())
+        for value in schema_writes(func._schema, args, kwargs):
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                if storage.data_ptr() not in self.saved and storage.nbytes():
+                    self.saved[storage.data_ptr()] = (storage, storage.clone())
         return func(*args, **kwargs)
 
     def restore(self) -> None:

@@ -48,6 +48,7 @@ import torch.fx as fx
 
 from .. import _compat
 from ..counters import add as count
+from ..passes.common import written_args
 from .driver import CaptureError, CapturedGraph, Driver
 
 log = logging.getLogger("cgcompile")
@@ -303,18 +304,8 @@ def capture_instance(owner: Any, partition: str, label: str, kind: str, run: Cal
 def mutated_inputs(gm: fx.GraphModule) -> frozenset:
     """Positions of gm's inputs that an op in gm writes (per the op schemas' alias annotations)."""
     positions = {node: i for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    mutated = set()
-    for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-        if schema is None:
-            continue
-        for index, argument in enumerate(schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
-            if isinstance(value, fx.Node) and value in positions:
-                mutated.add(positions[value])
-    return frozenset(mutated)
+    return frozenset(positions[w] for node in gm.graph.nodes if node.op == "call_function"
+                     for w in written_args(node) if w in positions)
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:

@@ -24,7 +24,7 @@ from .graph import GraphInstance, storage_ptr
 
 log = logging.getLogger("cgcompile")
 
-_PROGRESS_AFTER_S = 2.0
+PROGRESS_AFTER_S = 2.0  # a capture wave longer than this shows progress
 _EAGER = EagerDriver()
 
 
@@ -178,7 +178,7 @@ class ModelRuntime:
             self._wave["graphs"] += 1
             self._wave["seconds"] += seconds
             self._wave["bytes"] += captured.pool_bytes
-            if self._wave["seconds"] > _PROGRESS_AFTER_S:
+            if self._wave["seconds"] > PROGRESS_AFTER_S:
                 if self._progress is None:
                     self._progress = _Progress(self._wave["graphs"])
                 else:

@@ -89,7 +89,7 @@ def test_failed_capture_leaves_nothing_behind_and_the_next_captures_succeed():
 
 
 def test_release_destroys_the_cuda_graphs_whoever_holds_them():
-    """cgcompile.release() must not wait for the garbage collector (issue 12.3): a graph someone still
+    """cgcompile.release() must not wait for the garbage collector: a graph someone still
     references is reset all the same, and a model compiled before trains on, capturing again."""
     import cgcompile
     driver = CudaDriver(torch.device(DEV))
