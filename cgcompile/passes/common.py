@@ -140,7 +140,8 @@ def aten_packet(node: fx.Node):
         return target.overloadpacket
     if isinstance(target, torch._ops.OpOverloadPacket):
         return target
-    if node.op == "call_module" or (node.op == "call_function" and not hasattr(target, "__name__")):
+    if node.op not in ("call_function", "call_method") or (node.op == "call_function"
+                                                           and not isinstance(getattr(target, "__name__", None), str)):
         return None
     name = op_key(node)
     if name.startswith("_"):
