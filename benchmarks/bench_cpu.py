@@ -164,7 +164,7 @@ PADDING_EXPERTS, PADDING_BATCH = 8, (4, 32)  # 8 experts top-2 over 128 tokens: 
 def bench_padding(layers: int, warmup: int, steps: int) -> dict:
     """(d) per MoE training step with new tokens every step (emulate driver): kernel ops still run op by op on
     the host (the launches a GPU would pay) and host reads of device data, for eager and each dynamic_padding."""
-    from cgcompile.runtime.host_ops import HostOpCounter
+    from cgcompile.profiling import HostOpCounter
     results = {}
     for mode in ("eager", "off", "max", "buckets"):
         torch._dynamo.reset()

@@ -34,12 +34,12 @@ kernel + memcpy + memset time per step under torch.profiler) and, from the same 
   host launches: on CUDA, CUDA runtime/driver API calls on the host that launch device work outside graph
       launches (names containing LaunchKernel, LaunchCooperativeKernel, Memcpy or Memset: cudaLaunchKernel,
       cuLaunchKernel, cudaLaunchKernelExC, cudaMemcpyAsync, cudaMemsetAsync, ...); kernels inside a replayed
-      graph make no such call. On CPU (--cpu-smoke) the proxy of cgcompile.runtime.host_ops: top-level aten ops
+      graph make no such call. On CPU (--cpu-smoke) the proxy of cgcompile.profiling: top-level aten ops
       that run a kernel, outside the emulate driver's replays (Inductor's generated CPU kernels are not aten
       ops, so the proxy undercounts the inductor variants).
   graph launches: on CUDA, cudaGraphLaunch calls (names containing GraphLaunch); on CPU, emulated replays.
   host syncs: on both, top-level aten ops outside graph replays that read device data on the host, themselves
-      or through an op they call (host_ops.SYNC_OPS: nonzero, _local_scalar_dense i.e. .item(), unique,
+      or through an op they call (profiling.SYNC_OPS: nonzero, _local_scalar_dense i.e. .item(), unique,
       cgcompile's bucketed nonzero, ...). Runtime-level synchronize calls are not counted.
 Each table names the definition its counts used. Goals are judged only on CUDA (the CPU smoke run prints the
 measured ratio with verdict n/a).
@@ -70,7 +70,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import cgcompile  # noqa: E402
-from cgcompile.runtime import host_ops  # noqa: E402
+from cgcompile import profiling  # noqa: E402
 from tests.models import MODELS as TEST_MODELS  # noqa: E402
 from tests.models import kv_gpt  # noqa: E402
 
@@ -78,7 +78,7 @@ PADDED_VARIANTS = ("cg-local-eager+max", "cg-local-eager+buckets", "cg-local-ind
 VARIANTS = ("eager", "inductor", "reduce-overhead", "cg-local-eager", "cg-local-inductor", "cg-full-iteration",
             "cg-local-eager+sizes", "cg-local-inductor+sizes") + PADDED_VARIANTS
 MODELS = ("moe", "moe-fixed", "mixtral", "decode", "decode-varying")
-NEW_TOKEN_MOE = ("moe", "mixtral")  # the workloads issue 11's goals are about
+NEW_TOKEN_MOE = ("moe", "mixtral")  # the workloads the captured-experts goal is about
 COMPILE_CALLS = 5  # covers cgcompile's default 3 warmup steps + capture, and reduce-overhead's warmup + record
 
 
@@ -262,9 +262,9 @@ def mark_step() -> None:
 LAUNCH_MARKERS = ("LaunchKernel", "LaunchCooperativeKernel", "Memcpy", "Memset")  # runtime/driver API names
 COUNT_DEFINITIONS = {
     True: "CUDA runtime/driver API calls under torch.profiler (launches: *LaunchKernel*/*Memcpy*/*Memset* outside "
-          "graph launches; graph launches: *GraphLaunch*); syncs: top-level aten ops reaching host_ops.SYNC_OPS",
-    False: "CPU proxy, cgcompile.runtime.host_ops (launches: top-level aten kernel ops outside emulated replays; "
-           "graph launches: emulated replays; syncs: those ops reaching host_ops.SYNC_OPS)",
+          "graph launches; graph launches: *GraphLaunch*); syncs: top-level aten ops reaching profiling.SYNC_OPS",
+    False: "CPU proxy, cgcompile.profiling (launches: top-level aten kernel ops outside emulated replays; "
+           "graph launches: emulated replays; syncs: those ops reaching profiling.SYNC_OPS)",
 }
 
 
@@ -301,14 +301,14 @@ def cuda_counts(events, n: int) -> tuple:
             graphs += 1
         elif is_launch_call(e.name):
             launches += 1
-    _, syncs, _ = host_ops.count_events(events)
+    _, syncs, _ = profiling.count_events(events)
     busy = busy_us / n / 1e3 if busy_us > 0 else None  # None: the profiler saw no device activity
     return busy, launches / n, graphs / n, syncs / n
 
 
 def cpu_counts(step: Callable[[], None], n: int) -> tuple:
     """The CPU proxy over n steps -> per step (host kernel ops, emulated graph replays, host syncs)."""
-    with host_ops.HostOpCounter() as counter:
+    with profiling.HostOpCounter() as counter:
         for _ in range(n):
             mark_step()
             step()
@@ -449,7 +449,7 @@ def goal_rows(all_results: Dict[str, Dict[str, Result]], judged: bool = True) ->
             row(f"decode-varying step faster than reduce-overhead ({v}; speedup)",
                 _ratio(get("decode-varying", "reduce-overhead", "step_ms"), get("decode-varying", v, "step_ms")),
                 lambda x: x > 1.0)
-    for w in NEW_TOKEN_MOE:  # issue 11: experts captured with dynamic_padding, new tokens every step
+    for w in NEW_TOKEN_MOE:  # experts captured with dynamic_padding, new tokens every step
         for v in PADDED_VARIANTS:
             if v not in all_results.get(w, {}):
                 continue

@@ -6,8 +6,7 @@ Public API only; see README.md. The backend itself is registered as "cudagraph_m
 
 from .config import CudaGraphConfig, CudaGraphImpl, CudaGraphModule, CudaGraphScope, InferenceCudaGraphScope
 from .errors import ConfigError
-from .explain import explain
-from .partition import Plan
+from .explain import Plan, explain
 from .runtime.release import release
 from .runtime.whole_step import capture_step
 from .tagging import eager_region, tag, tag_modules, tag_of, untag

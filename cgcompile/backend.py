@@ -21,13 +21,16 @@ from .errors import ConfigError
 from .logs import register_with_torch_logs
 from .padding import pad_dynamic_rows
 from .passes import is_static_placeholder, node_location
-from .runtime.capture_sizes import BatchBuckets, batch_padding_blocker, batch_symbol
-from .runtime.local import ModelRuntime, compile_partition
+from .passes.batch_rows import batch_layout, batch_padding_blocker, batch_symbol
+from .runtime.capture_sizes import BatchBuckets
+from .runtime.model_runtime import ModelRuntime
+from .runtime.partition_runner import compile_partition
 from .runtime.release import release
 from .runtime.te import TEFrame, resolve_graphing_fn
 from .runtime.verify import VerifiedPartition
-from .partition import (BLOCK_SCOPE, LAYER_SCOPE, OFF_SCOPE, GraphPlan, hoist_scalar_input_reads, plan_graph,
-                        replace_submodule, split)
+from .plan import BLOCK_SCOPE, LAYER_SCOPE, OFF_SCOPE, GraphPlan
+from .planner import plan_graph
+from .split import hoist_scalar_input_reads, replace_submodule, split
 
 register_with_torch_logs()
 
@@ -57,7 +60,7 @@ def scope_for(config: CudaGraphConfig, training: bool) -> Optional[str]:
 
 def make_plan(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGraphConfig, index: int, *,
               validate_tags: bool = True) -> GraphPlan:
-    """Plan one Dynamo graph for the current grad mode (hoisting scalar-input reads first, see partition.py)."""
+    """Plan one Dynamo graph for the current grad mode (hoisting scalar-input reads first, see split.py)."""
     training = torch.is_grad_enabled()
     scope = scope_for(config, training)
     hoist_scalar_input_reads(gm)
@@ -69,6 +72,8 @@ def make_plan(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGra
         if sym is not None:
             graph_plan.batch_symbol = str(sym)
             graph_plan.batch_padding_refused = batch_padding_blocker(gm, sym)
+            if graph_plan.batch_padding_refused is None:
+                graph_plan.batch_layout = batch_layout(gm, sym)
     return graph_plan
 
 
@@ -166,9 +171,8 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
         return runtime.finish_frame_outputs(forward(*args))
 
     run.runtime = runtime  # type: ignore[attr-defined]  # for tests and tools
-    if graph_plan.batch_symbol is not None and graph_plan.batch_padding_refused is None:
-        sym = batch_symbol(gm)
-        return BatchBuckets(gm, sym, run, config.capture_sizes, f"graph {graph_plan.index}")
+    if graph_plan.batch_layout is not None:
+        return BatchBuckets(graph_plan.batch_layout, run, gm.forward, config.capture_sizes, f"graph {graph_plan.index}")
     return run
 
 

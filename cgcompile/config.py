@@ -1,4 +1,4 @@
-"""Backend options -> one normalized, frozen :class:`CudaGraphConfig` (design.md section 2).
+"""Backend options -> one normalized, frozen :class:`CudaGraphConfig`.
 
 Megatron-LM's CUDA-graph vocabulary is the public surface. Its options, deprecated spellings and rules
 live in :mod:`cgcompile.megatron_flags` (each rewrite a :class:`Migration` record on the config, a
@@ -37,7 +37,7 @@ __all__ = [
     "CudaGraphImpl",
     "CudaGraphModule",
     "CudaGraphScope",
-    "Driver",
+    "DriverKind",
     "InferenceCudaGraphScope",
     "DynamicPadding",
     "InnerCompiler",
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 
-class Driver(ChoiceEnum):
+class DriverKind(ChoiceEnum):
     """How captured partitions execute: real CUDA graphs, a CPU emulation of capture/replay, or eager."""
 
     AUTO = "auto"
@@ -139,7 +139,7 @@ class CudaGraphConfig:
     inference_cuda_graph_scope: InferenceCudaGraphScope | None = None
     cuda_graph_warmup_steps: int = 3
     inner_compiler: InnerCompiler = InnerCompiler.EAGER
-    driver: Driver = Driver.AUTO
+    driver: DriverKind = DriverKind.AUTO
     min_partition_ops: int = 2
     max_graphs_per_partition: int = 8
     strict_modules: bool = False
@@ -165,7 +165,7 @@ class CudaGraphConfig:
             "inference_cuda_graph_scope": inference,
             "cuda_graph_warmup_steps": parse_int("cuda_graph_warmup_steps", self.cuda_graph_warmup_steps, 0),
             "inner_compiler": parse_enum("inner_compiler", self.inner_compiler, InnerCompiler),
-            "driver": parse_enum("driver", self.driver, Driver),
+            "driver": parse_enum("driver", self.driver, DriverKind),
             "min_partition_ops": parse_int("min_partition_ops", self.min_partition_ops, 1),
             "max_graphs_per_partition": parse_int("max_graphs_per_partition", self.max_graphs_per_partition, 1),
             "strict_modules": parse_bool("strict_modules", self.strict_modules),

@@ -10,20 +10,12 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import os
 import sys
 
 import torch
 
 import cgcompile
-
-
-def _load_models():
-    """The tiny models live with the tests (built in code, no downloads)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, root)
-    from tests.models import MODELS
-    return MODELS
+from cgcompile.examples import moe
 
 
 def main(argv=None) -> int:
@@ -38,12 +30,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
 
-    spec = _load_models()["moe_mask"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = spec.make(num_layers=args.layers).to(device)
+    model = moe.build(num_layers=args.layers, dispatch="mask").to(device)
     reference = copy.deepcopy(model)
-    (tokens,) = spec.example_inputs(device=device)
-    options = spec.options(driver=args.driver)
+    (tokens,) = moe.example_inputs(device=device)
+    options = {"cuda_graph_impl": "local", "cuda_graph_modules": list(moe.CUDA_GRAPH_MODULES), "driver": args.driver}
     if args.dynamic_padding != "off":  # the expert loop is untagged: capture every capture-safe span
         options.update(cuda_graph_modules=[], dynamic_padding=args.dynamic_padding)
     print(f"options: {options}")
@@ -61,11 +52,11 @@ def main(argv=None) -> int:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
         for step in range(args.steps):
-            loss = spec.loss(compiled, tokens)
+            loss = moe.loss(compiled, tokens)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            ref_loss = spec.loss(reference, tokens)
+            ref_loss = moe.loss(reference, tokens)
             ref_loss.backward()
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)

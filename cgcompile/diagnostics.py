@@ -1,4 +1,4 @@
-"""Plan -> log lines, table and JSON. Reads the Plan; never recomputes it.
+"""Plan -> log lines and table. Reads the plan (plan.py, and explain.Plan through its fields); never recomputes it.
 
 Logger "cgcompile": INFO gives one summary line per graph plus its partition table, DEBUG every finding per node.
 Works with plain `logging` and with `TORCH_LOGS="+cgcompile"` (registered in logs.py).
@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import List
 
-from .partition import GraphPlan, Plan
+from .plan import GraphPlan
 from .passes.common import short_location
 
 log = logging.getLogger("cgcompile")
@@ -91,7 +91,9 @@ def capture_sizes_line(graph: GraphPlan, config) -> str:
             f"{short_location(refused.location)}: {refused.detail}" + (f" ({refused.hint})" if refused.hint else ""))
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan) -> str:
+    """The table `str(cgcompile.Plan)` prints: config line, then per graph its summary and partitions, then
+    Dynamo's graph breaks. `plan` is read through its fields (config, graphs, graph_breaks)."""
     lines: List[str] = [f"cgcompile plan: {describe_config(plan.config)}"]
     migrations = getattr(plan.config, "migrations", ())
     if migrations:
@@ -110,11 +112,6 @@ def format_plan(plan: Plan) -> str:
         lines.append("no graphs were compiled")
     return "\n".join(lines)
 
-
-def plan_to_json(plan: Plan) -> dict:
-    config = plan.config.to_json_dict() if hasattr(plan.config, "to_json_dict") else plan.config.to_options()
-    return {"config": config, "graphs": [g.to_json() for g in plan.graphs],
-            "graph_breaks": [b.to_json() for b in plan.graph_breaks]}
 
 
 def log_graph_plan(graph: GraphPlan, config) -> None:

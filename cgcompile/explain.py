@@ -1,15 +1,46 @@
-"""`cgcompile.explain`: what the backend would do with a model, without capturing anything."""
+"""`cgcompile.explain` (what the backend would do with a model, without capturing anything) and the `Plan` it returns.
+
+`Plan` bundles the config, one GraphPlan (plan.py) per Dynamo graph and Dynamo's own graph breaks. It lives here,
+above the renderers, so that `print(plan)` and `plan.to_html(path)` call diagnostics.format_plan and
+visual.plan_to_html directly while plan.py stays plain data that those renderers import.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
 
 import torch
 
 from .backend import make_plan
 from .config import CudaGraphConfig
-from .partition import GraphBreak, Plan, check_selected_tags, graph_tags
+from .diagnostics import format_plan
 from .passes import module_regions
+from .plan import GraphBreak, GraphPlan
+from .planner import check_selected_tags, graph_tags
+from .visual import plan_to_html
+
+
+@dataclass
+class Plan:
+    """Everything the backend decided for one compiled function: config, one GraphPlan per Dynamo graph,
+    and Dynamo's own graph breaks. `str(plan)` is the human table; `to_json()` the machine-readable form;
+    `to_html(path)` the picture (visual.py)."""
+
+    config: CudaGraphConfig
+    graphs: List[GraphPlan] = field(default_factory=list)
+    graph_breaks: List[GraphBreak] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return format_plan(self)
+
+    def to_json(self) -> dict:
+        return {"config": self.config.to_json_dict(), "graphs": [g.to_json() for g in self.graphs],
+                "graph_breaks": [b.to_json() for b in self.graph_breaks]}
+
+    def to_html(self, path=None) -> str:
+        return plan_to_html(self, path)
+
 
 def _break_location(reason: Any) -> Optional[str]:
     stack = getattr(reason, "user_stack", None) or []

@@ -189,7 +189,7 @@ def _module_option(
 ) -> tuple[CudaGraphImpl, tuple[CudaGraphModule | str, ...], InferenceCudaGraphScope | None]:
     """``cuda_graph_modules`` (or the deprecated ``cuda_graph_scope``) with its deprecated values migrated:
     ``full`` -> [] (whole layer), ``full_iteration`` -> cuda_graph_impl='full_iteration',
-    ``full_iteration_inference`` -> inference_cuda_graph_scope='block' (design.md table)."""
+    ``full_iteration_inference`` -> inference_cuda_graph_scope='block'."""
     option = "cuda_graph_scope" if "cuda_graph_scope" in given else "cuda_graph_modules"
     values = parse_modules(option, given.get(option, ()), allow_deprecated=True)
     deprecated = [m for m in values if isinstance(m, CudaGraphModule) and m.deprecated]

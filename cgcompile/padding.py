@@ -34,8 +34,9 @@ import torch.fx as fx
 
 from .config import CudaGraphConfig, DynamicPadding
 from .passes.common import (NOT_PADDABLE, PADDABLE, PADDED, Finding, compute_nodes, example_value, has_tag,
-                            input_unbacked_symbols, node_location, node_module_path, op_name, unbacked_symbols)
-from .passes.row_flow import RowFlow, op_key, row_flow
+                            input_unbacked_symbols, node_location, node_module_path, op_key, op_name, unbacked_symbols,
+                            view_root, written_args)
+from .passes.row_flow import RowFlow, row_flow
 
 __all__ = ["Padding", "bucket_for", "nonzero_bucketed", "pad_dynamic_rows"]
 
@@ -152,25 +153,6 @@ def _not_paddable(producer: _Producer, blocker: Finding) -> Finding:
                    detail=f"{op_name(node)} at {node_location(node) or '?'} stays eager: {blocker.detail}")
 
 
-_IN_PLACE_OPERATORS = frozenset({"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand",
-                                  "ior", "ixor", "ilshift", "irshift", "imatmul"})
-
-
-def _writes(node: fx.Node) -> bool:
-    name = op_key(node)
-    return ((name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_OPERATORS
-            or "out" in node.kwargs)
-
-
-def _root(node: fx.Node) -> fx.Node:
-    """The tensor a chain of views/indexing starts from (what an in-place write to it would change)."""
-    while node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], fx.Node) \
-            and op_key(node) in ("getitem", "select", "view", "reshape", "squeeze", "unsqueeze", "permute",
-                                 "transpose", "flatten", "narrow", "expand", "t", "__getitem__"):
-        node = node.args[0]
-    return node
-
-
 def _hoistable(producer: _Producer, first: fx.Node, nodes: List[fx.Node],
                position: Dict[fx.Node, int]) -> Optional[List[fx.Node]]:
     """The nodes computing producer's mask that come after `first` (in order), if they can all run before it:
@@ -182,13 +164,13 @@ def _hoistable(producer: _Producer, first: fx.Node, nodes: List[fx.Node],
         if node in seen or position.get(node, -1) < start:
             continue
         seen.add(node)
-        if node.op not in ("call_function", "call_method") or _writes(node) or _new_unbacked(node) \
+        if node.op not in ("call_function", "call_method") or written_args(node) or _new_unbacked(node) \
                 or has_tag(node, torch.Tag.nondeterministic_seeded):
             return None
         chain.append(node)
         stack.extend(node.all_input_nodes)
-    written = {_root(n.args[0]) for n in nodes[start:end] if _writes(n) and n.args and isinstance(n.args[0], fx.Node)}
-    if any(_root(arg) in written for node in chain for arg in node.all_input_nodes):
+    written = {view_root(w) for n in nodes[start:end] for w in written_args(n)}
+    if any(view_root(arg) in written for node in chain for arg in node.all_input_nodes):
         return None
     return sorted(chain, key=position.__getitem__)
 

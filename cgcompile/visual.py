@@ -13,7 +13,7 @@ import os
 from typing import List, Optional
 
 from .diagnostics import describe_config, padding_text, summary_line
-from .partition import GraphPlan, Partition, Plan
+from .plan import GraphPlan, Partition
 
 CAPTURED_COLOUR = "#2e7d32"
 EAGER_COLOUR = "#e65100"
@@ -89,7 +89,7 @@ def _graph_html(graph: GraphPlan, config) -> str:
             + "\n".join(rows) + "\n</table></details>\n</section>")
 
 
-def _breaks_html(plan: Plan) -> str:
+def _breaks_html(plan) -> str:
     if not plan.graph_breaks:
         return '<h2>Dynamo graph breaks</h2>\n<p class="breaks">none</p>'
     items = []
@@ -100,7 +100,7 @@ def _breaks_html(plan: Plan) -> str:
             f"<p>Each runs in Python between graphs.</p>\n<ul class=\"breaks\">\n" + "\n".join(items) + "\n</ul>")
 
 
-def plan_to_html(plan: Plan, path: Optional[str | os.PathLike] = None) -> str:
+def plan_to_html(plan, path: Optional[str | os.PathLike] = None) -> str:
     """Render `plan` as a self-contained HTML page; also write it to `path` when given. Returns the HTML."""
     migrations = getattr(plan.config, "migrations", ())
     parts: List[str] = [

@@ -88,7 +88,7 @@ def test_bench_gpu_cpu_smoke_reports_every_variant_and_refusal():
         assert m and int(m[1]) > 0 and int(m[2]) > 0, table
     # dynamic_padding="max": the MoE step captured without a host read, locally and as a whole step.
     for table in (moe_table, fixed_table, mixtral_table):
-        assert "CPU proxy, cgcompile.runtime.host_ops" in table
+        assert "CPU proxy, cgcompile.profiling" in table
         rows = rows_of(table)
         eager = rows["eager"]
         assert float(eager["syncs"]) > 0 and float(eager["graph launches"]) == 0, table
@@ -150,7 +150,7 @@ def test_host_op_counter_sees_nested_syncs():
     that reaches a sync op is one sync, however deep."""
     import torch
 
-    from cgcompile.runtime.host_ops import HostOpCounter
+    from cgcompile.profiling import HostOpCounter
 
     x = torch.tensor([0.0, 1.0, 2.0])
     with HostOpCounter() as counter:

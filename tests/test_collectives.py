@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from cgcompile.backend import cudagraph_modules, record_plans
 from cgcompile.config import CudaGraphConfig
-from cgcompile.partition import plan_graph
+from cgcompile.planner import plan_graph
 from cgcompile.passes import analyze
 from cgcompile.passes.collectives import find_data_dependent_collectives, is_collective
 from cgcompile.passes.common import node_location

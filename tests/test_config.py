@@ -1,4 +1,4 @@
-"""cgcompile.config: option normalization, Megatron migrations and rejections (design.md section 2)."""
+"""cgcompile.config: option normalization, Megatron migrations and rejections."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from cgcompile.config import (
     CudaGraphImpl,
     CudaGraphModule,
     CudaGraphScope,
-    Driver,
+    DriverKind,
     DynamicPadding,
     InferenceCudaGraphScope,
     InnerCompiler,
@@ -58,7 +58,7 @@ def test_enums_are_their_strings():
     assert CudaGraphImpl.LOCAL == "local"
     assert str(CudaGraphImpl.TRANSFORMER_ENGINE) == "transformer_engine"
     assert f"{InferenceCudaGraphScope.BLOCK}" == "block"
-    assert Driver.EMULATE == "emulate" and InnerCompiler.INDUCTOR == "inductor"
+    assert DriverKind.EMULATE == "emulate" and InnerCompiler.INDUCTOR == "inductor"
     assert CudaGraphImpl("LOCAL") is CudaGraphImpl.LOCAL  # names, case-insensitively
     assert CudaGraphModule("Moe_Router") is M.MOE_ROUTER
     assert {"attn": 1}[M.ATTN] == 1
@@ -81,7 +81,7 @@ def test_defaults():
     assert config.cuda_graph_modules == ()
     assert config.inference_cuda_graph_scope is InferenceCudaGraphScope.LAYER
     assert (config.cuda_graph_warmup_steps, config.min_partition_ops, config.max_graphs_per_partition) == (3, 2, 8)
-    assert config.inner_compiler is InnerCompiler.EAGER and config.driver is Driver.AUTO
+    assert config.inner_compiler is InnerCompiler.EAGER and config.driver is DriverKind.AUTO
     assert (config.strict_modules, config.strict, config.clone_outputs, config.verify) == (False, False, True, 0)
     assert config.capture_sizes == ()
     assert CudaGraphConfig(capture_sizes=[8, 1, 4, 4]).capture_sizes == (1, 4, 8)  # sorted, deduplicated
@@ -135,7 +135,7 @@ def test_enum_option_spellings(spelling):
 def test_other_enum_options():
     config = from_options({"driver": "EMULATE", "inner_compiler": InnerCompiler.INDUCTOR,
                            "inference_cuda_graph_scope": "Block"})
-    assert config.driver is Driver.EMULATE
+    assert config.driver is DriverKind.EMULATE
     assert config.inner_compiler is InnerCompiler.INDUCTOR
     assert config.inference_cuda_graph_scope is InferenceCudaGraphScope.BLOCK
 
@@ -253,7 +253,7 @@ def test_direct_construction_normalizes():
     assert paired.cuda_graph_modules == (M.MOE_PREPROCESS, M.MOE_ROUTER) and len(paired.migrations) == 1
 
 
-# --- migration table (design.md section 2) ----------------------------------------------------------
+# --- migration table (Megatron-LM's deprecated options) ----------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -713,7 +713,7 @@ def valid_options(draw):
     optional = {
         "cuda_graph_warmup_steps": st.integers(0, 5),
         "inner_compiler": st.sampled_from(InnerCompiler.choices()).flatmap(lambda v: _enum_spelling(v, InnerCompiler)),
-        "driver": st.sampled_from(Driver.choices()).flatmap(lambda v: _enum_spelling(v, Driver)),
+        "driver": st.sampled_from(DriverKind.choices()).flatmap(lambda v: _enum_spelling(v, DriverKind)),
         "min_partition_ops": st.integers(1, 10),
         "max_graphs_per_partition": st.integers(1, 10),
         "strict_modules": st.sampled_from([True, False, 0, 1]),
@@ -753,10 +753,10 @@ _KEYS = [f.name for f in dataclasses.fields(CudaGraphConfig) if f.name != "migra
     "enable_cuda_graph", "external_cuda_graph", "cuda_graph_scope",
 ]
 _NAMES = st.sampled_from(M.choices() + CudaGraphImpl.choices() + InferenceCudaGraphScope.choices()
-                         + Driver.choices() + ["atn", "blk_1", "LOCAL", "x y", ""])
+                         + DriverKind.choices() + ["atn", "blk_1", "LOCAL", "x y", ""])
 _SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(-3, 12), st.floats(allow_nan=True), st.text(max_size=12), _NAMES,
-    st.sampled_from(list(M) + list(CudaGraphImpl) + list(InferenceCudaGraphScope) + list(Driver)),
+    st.sampled_from(list(M) + list(CudaGraphImpl) + list(InferenceCudaGraphScope) + list(DriverKind)),
 )
 _VALUES = st.one_of(
     _SCALARS,

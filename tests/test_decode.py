@@ -68,7 +68,7 @@ def test_steady_decode_step_runs_nothing_outside_the_graph_but_input_copies(monk
     inference epilogue would copy every written cache buffer eagerly after it), for both inner compilers."""
     from cgcompile._compat import TorchDispatchMode
     from cgcompile.backend import cudagraph_modules
-    from cgcompile.runtime.driver import _EmulatedGraph
+    from cgcompile.runtime.driver import EmulatedGraph
 
     class OutsideReplay(TorchDispatchMode):
         inside = False
@@ -82,7 +82,7 @@ def test_steady_decode_step_runs_nothing_outside_the_graph_but_input_copies(monk
                 self.ops[str(func)] = self.ops.get(str(func), 0) + 1
             return func(*args, **(kwargs or {}))
 
-    replay = _EmulatedGraph.replay
+    replay = EmulatedGraph.replay
 
     def flagged_replay(self):
         OutsideReplay.inside = True
@@ -91,7 +91,7 @@ def test_steady_decode_step_runs_nothing_outside_the_graph_but_input_copies(monk
         finally:
             OutsideReplay.inside = False
 
-    monkeypatch.setattr(_EmulatedGraph, "replay", flagged_replay)
+    monkeypatch.setattr(EmulatedGraph, "replay", flagged_replay)
     counters = []
 
     def counting_backend(gm, example_inputs, options=None):

@@ -208,7 +208,7 @@ def test_data_dependent_repeat_interleave_stays_eager():
 def test_every_partition_leaves_grad_mode_as_it_found_it(scalar_outputs):
     from cgcompile.backend import make_plan
     from cgcompile.config import CudaGraphConfig
-    from cgcompile.partition import split
+    from cgcompile.split import split
     from cgcompile.passes.global_state import grad_mode_after
 
     graphs = []

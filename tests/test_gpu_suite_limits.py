@@ -1,5 +1,5 @@
 """Every GPU test module carries a per-test time limit (pytest-timeout), so a stuck capture or NCCL call
-fails the run instead of hanging it (issue 12.3). Checked on CPU, where those tests are skipped."""
+fails the run instead of hanging it. Checked on CPU, where those tests are skipped."""
 
 import importlib
 import pathlib

@@ -81,7 +81,7 @@ def test_every_megatron_warning_is_a_recorded_migration_shown_in_the_plan():
     """Where Megatron-Core warns about a deprecated spelling, cgcompile records the rewrite on the config, and the
     plan header shows it."""
     from cgcompile.diagnostics import format_plan
-    from cgcompile.partition import Plan
+    from cgcompile.explain import Plan
 
     enum_classes = stand_in_enums()
     checked = 0

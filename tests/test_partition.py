@@ -1,11 +1,11 @@
-"""Region rules of the partition plan (design.md §4) on small tagged models and the model zoo."""
+"""Region rules of the partition plan (planner.py) on small tagged models and the model zoo."""
 
 import pytest
 import torch
 import torch.nn as nn
 
 import cgcompile
-from cgcompile.partition import layer_of, common_module
+from cgcompile.planner import layer_of, common_module
 from tests.models import MODELS, moe
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import cgcompile
-from cgcompile.runtime.local import ModelRuntime
+from cgcompile.runtime import live_runtimes
 
 
 def mlp():
@@ -48,11 +48,11 @@ def test_dynamo_reset_releases_through_the_backend_hook():
     model = mlp()
     cmodel = compiled(model)
     train(cmodel, model, copy.deepcopy(model), 3)
-    runtimes = [r for r in _live_runtimes() if r._partitions]
+    runtimes = [r for r in live_runtimes() if r.runners()]
     assert runtimes and cgcompile.stats()["graphs"]
     torch._dynamo.reset()
     assert cgcompile.stats()["graphs"] == []
-    assert all(not p.bank for r in runtimes for p in r._partitions)
+    assert all(p.bank_size() == 0 for r in runtimes for p in r.runners())
 
 
 def test_a_backward_pending_across_release_runs_eagerly_and_is_exact():
@@ -79,7 +79,3 @@ def test_stats_report_the_bytes_each_graph_holds():
     assert backward["static_output_bytes"] == weights  # one gradient per parameter
     assert forward["pool_bytes"] == backward["pool_bytes"] == 0  # emulate reserves no device memory
 
-
-def _live_runtimes():
-    from cgcompile.runtime.release import _holders
-    return [h for h in list(_holders) if isinstance(h, ModelRuntime)]

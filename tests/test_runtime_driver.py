@@ -103,7 +103,7 @@ def test_get_driver():
 
 
 def test_a_failed_capture_leaves_no_state_and_the_same_pool_token_captures_next():
-    """What a CUDA capture failure must not do (issue 12.1): leave a pool recording, a mode or flag on, or
+    """What a CUDA capture failure must not do: leave a pool recording, a mode or flag on, or
     half-applied writes. Emulate marks the failed pool as torch does; the driver retires it for the token."""
     driver = EmulateDriver()
     pool = driver.new_pool()

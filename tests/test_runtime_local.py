@@ -22,6 +22,11 @@ def runtime(**options) -> ModelRuntime:
     return ModelRuntime(CudaGraphConfig.from_options(opts), "cpu")
 
 
+def graphs_of(p, kind=None):
+    """The live captured graphs of partition runner p (of one kind: forward, backward, inference)."""
+    return [g for g in p.runtime.live_graphs() if g.partition == p.name and kind in (None, g.kind)]
+
+
 def partition(fn_or_module, rt, name="p", static=(), examples=()):
     gm = fx.symbolic_trace(fn_or_module)
     return compile_partition(gm, list(examples), name=name, static_input_indices=list(static), runtime=rt,
@@ -55,9 +60,8 @@ class CountCopies(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __init__(self, *partitions):
         super().__init__()
-        self.targets = {id(t) for p in partitions for v in p.bank.values()
-                        for f in (v.forward, v.inference) if f is not None
-                        for g in f.graphs for t in g.captured.static_inputs}
+        self.targets = {id(t) for p in partitions for g in graphs_of(p) if g.kind != "backward"
+                        for t in g.captured.static_inputs}
         self.copies = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -198,7 +202,7 @@ def test_stolen_grads_held_keep_earlier_shared_pool_graphs_from_replaying():
     for m, r in ((a, ref_a), (b, ref_b)):
         for q, q_ref in zip(m.parameters(), r.parameters()):
             assert_close(q.grad, q_ref.grad)
-    assert len(next(iter(first.bank.values())).forward.graphs) == 2  # instance 0 waited for the grads
+    assert len(graphs_of(first, "forward")) == 2  # instance 0 waited for the grads
 
 
 def test_parameters_are_not_copied_and_inputs_are():
@@ -212,8 +216,7 @@ def test_parameters_are_not_copied_and_inputs_are():
         with CountCopies(p) as counter:
             p(x)
         assert counter.copies == 1  # x only; four parameters read in place
-        variant = next(iter(p.bank.values()))
-        graph = variant.inference.graphs[0]
+        graph = graphs_of(p, "inference")[0]
         with CountCopies(p) as counter:
             p(graph.captured.static_inputs[graph.copies[0]])  # already in the static buffer
         assert counter.copies == 0
@@ -243,7 +246,7 @@ def test_graph_bank_keys_on_shape_dtype_and_grad_mode():
             assert torch.equal(p(x), (x * 2).sin())
             with torch.no_grad():
                 assert torch.equal(p(x), (x * 2).sin())
-    assert len(p.bank) == 6  # 3 signatures x {grad, no_grad}
+    assert p.bank_size() == 6  # 3 signatures x {grad, no_grad}
     assert stats()["graphs_captured"] == 6
 
 
@@ -373,7 +376,7 @@ def test_capture_wave_shares_a_pool_later_captures_do_not(caplog):
             second(first(torch.randn(4)))
         for _ in range(2):
             second(first(torch.randn(5)))  # a new shape after the wave: warmup call, then capture
-    graphs = [g for p in (first, second) for v in p.bank.values() for g in v.inference.graphs]
+    graphs = [g for p in (first, second) for g in graphs_of(p, "inference")]
     assert sorted(g.shared_index is not None for g in graphs) == [False, False, True, True]
     summary = [r.getMessage() for r in caplog.records if "captured 2 graphs" in r.getMessage()]
     assert len(summary) == 1
@@ -381,7 +384,7 @@ def test_capture_wave_shares_a_pool_later_captures_do_not(caplog):
 
 def test_progress_display_for_a_long_capture_wave(monkeypatch, capsys, caplog):
     from cgcompile.runtime import model_runtime
-    monkeypatch.setattr(model_runtime, "_PROGRESS_AFTER_S", -1.0)  # every capture counts as "long"
+    monkeypatch.setattr(model_runtime, "PROGRESS_AFTER_S", -1.0)  # every capture counts as "long"
     monkeypatch.setitem(__import__("sys").modules, "tqdm", None)  # the plain stderr fallback
     rt = runtime()
     parts = [partition(lambda x: x * 2, rt, f"p{i}") for i in range(3)]
@@ -405,8 +408,7 @@ def test_shared_pool_graph_waits_while_a_later_graph_is_busy():
         for loss, x in zip(losses, xs):
             loss.backward()
             assert_close(x.grad, 2 * (2 * x.detach() + 1).exp())
-    fw_first = next(iter(first.bank.values())).forward
-    assert len(fw_first.graphs) == 2  # the second microbatch could not reuse instance 0
+    assert len(graphs_of(first, "forward")) == 2  # the second microbatch could not reuse instance 0
 
 
 class Normed(nn.Module):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import cgcompile
-from cgcompile.partition import CAPTURE, EAGER, GraphBreak, GraphPlan, Partition, Plan
+from cgcompile.explain import Plan
+from cgcompile.plan import CAPTURE, EAGER, GraphBreak, GraphPlan, Partition
 from cgcompile.passes import Finding
 from tests.models import MODELS
 

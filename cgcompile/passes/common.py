@@ -6,8 +6,9 @@ import operator
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, List, Optional, Sequence
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -121,6 +122,17 @@ def is_static_placeholder(node: fx.Node) -> bool:
     return isinstance(example_value(node), torch.nn.Parameter)
 
 
+def op_key(node: fx.Node) -> str:
+    """The op's plain name ('mul', 'index_add_', 'linear', 'getitem'), for torch functions, Tensor methods,
+    operator functions and aten overloads alike (op_name is the qualified name shown to users)."""
+    if node.op == "call_method":
+        return str(node.target)
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    return getattr(target, "__name__", str(target))
+
+
 def aten_packet(node: fx.Node):
     """The aten overload packet a torch-level node maps to, if any (torch.nonzero -> aten.nonzero)."""
     target = node.target
@@ -128,8 +140,11 @@ def aten_packet(node: fx.Node):
         return target.overloadpacket
     if isinstance(target, torch._ops.OpOverloadPacket):
         return target
-    name = target if node.op == "call_method" else getattr(target, "__name__", None)
-    if not isinstance(name, str) or name.startswith("_") or node.op == "call_module":
+    if node.op not in ("call_function", "call_method") or (node.op == "call_function"
+                                                           and not isinstance(getattr(target, "__name__", None), str)):
+        return None
+    name = op_key(node)
+    if name.startswith("_"):
         return None
     if node.op == "call_function" and getattr(torch, name, None) is not target \
             and getattr(torch.Tensor, name, None) is not target:
@@ -196,6 +211,53 @@ def bucketed_read(node: fx.Node) -> Optional[fx.Node]:
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int):
         node = node.args[0]
     return node if is_bucketed_producer(node) else None
+
+
+# Python's in-place operators (x += y traces as operator.iadd): they write their first argument
+_IN_PLACE_OPERATORS = frozenset({"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand",
+                                  "ior", "ixor", "ilshift", "irshift", "imatmul"})
+# ops whose result shares its first argument's memory: a write through them writes that argument
+VIEW_OPS = frozenset({"view", "reshape", "view_as", "transpose", "permute", "squeeze", "unsqueeze", "narrow", "select",
+                      "expand", "t", "flatten", "unflatten", "as_strided", "getitem", "__getitem__", "detach"})
+
+
+def schema_writes(schema: Any, args: Sequence[Any], kwargs: dict) -> List[Any]:
+    """The argument values an op with this schema writes in place (its alias annotations say `a!`)."""
+    if not schema.is_mutable:
+        return []
+    values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
+    return [value for value, arg in zip(values, schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write and value is not None]
+
+
+def written_args(node: fx.Node) -> List[fx.Node]:
+    """The nodes an op writes in place: by its schema (aten overloads), its name (`x.add_()`, `torch.relu_`,
+    `x += y`, `x[i] = y`), or its `out=` argument. The one answer every pass and the runtime use."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    if isinstance(node.target, torch._ops.OpOverload):
+        written = schema_writes(node.target._schema, node.args, node.kwargs)
+    else:
+        name = op_key(node)
+        in_place = name in _IN_PLACE_OPERATORS if getattr(operator, name, None) is node.target else (
+            name.endswith("_") and not name.endswith("__"))
+        written = [node.args[0]] if in_place and node.args else []
+        if node.kwargs.get("out") is not None:
+            written.append(node.kwargs["out"])
+    return [w for w in written if isinstance(w, fx.Node)]
+
+
+def view_root(node: fx.Node) -> fx.Node:
+    """The tensor a chain of views/indexing starts from (what an in-place write through it changes)."""
+    while node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], fx.Node) \
+            and op_key(node) in VIEW_OPS:
+        node = node.args[0]
+    return node
+
+
+def sym_expr(size: Any) -> Any:
+    """A size as a sympy expression: a SymInt's expression, or the integer itself."""
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
 
 
 def unbacked_symbols(value: Any, known: Any = frozenset()) -> set:

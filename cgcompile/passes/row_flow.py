@@ -24,9 +24,9 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
-from .common import Finding, example_value, finding, unbacked_symbols
+from .common import Finding, example_value, finding, op_key, sym_expr, unbacked_symbols
 
-__all__ = ["RowFlow", "Sink", "row_flow", "op_key"]
+__all__ = ["RowFlow", "Sink", "row_flow"]
 
 _COMPARE = {operator.ge, operator.gt, operator.le, operator.lt, operator.eq, operator.ne}
 _ASSERT = torch.ops.aten._assert_scalar.default
@@ -79,17 +79,6 @@ class RowFlow:
         return self.blocker is None
 
 
-def op_key(node: fx.Node) -> str:
-    """The op's plain name ('mul', 'index_add_', 'linear', 'getitem'), for torch functions, Tensor methods,
-    operator functions and aten overloads alike."""
-    if node.op == "call_method":
-        return str(node.target)
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket.__name__
-    return getattr(target, "__name__", str(target))
-
-
 # operator-module names of Python's arithmetic (x * y, x += y) -> the aten op they run
 _OPERATOR_ATEN = {"truediv": "div", "itruediv": "div", "floordiv": "floor_divide", "ifloordiv": "floor_divide",
                   "mod": "remainder", "imod": "remainder", "invert": "bitwise_not", "and_": "bitwise_and",
@@ -119,14 +108,14 @@ def _shape(value: Any) -> Optional[Sequence[Any]]:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
-def _exact_dims(value: Any, sym) -> Tuple[Tuple[int, ...], bool]:
+def exact_dims(value: Any, sym) -> Tuple[Tuple[int, ...], bool]:
     """(dims whose size is exactly `sym`, whether some other dim's size involves sym)."""
     shape = _shape(value)
     if shape is None:
         return (), False
     dims, tangled = [], False
     for i, size in enumerate(shape):
-        expr = size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
+        expr = sym_expr(size)
         if expr == sym:
             dims.append(i)
         elif sym in expr.free_symbols:
@@ -147,7 +136,7 @@ def _norm_dim(dim: int, ndim: int) -> int:
 def _prod(sizes: Sequence[Any]) -> Any:
     result = sympy.Integer(1)
     for s in sizes:
-        result = result * (s.node.expr if isinstance(s, torch.SymInt) else sympy.Integer(s))
+        result = result * sym_expr(s)
     return sympy.simplify(result)
 
 
@@ -179,10 +168,10 @@ class _Walker:
             if not carries and not fed:
                 continue
             if node.op == "placeholder":  # a batch symbol: the frame's inputs are where rows come from
-                self.flow.dims[node] = _exact_dims(value, self.sym)[0]
+                self.flow.dims[node] = exact_dims(value, self.sym)[0]
                 continue
             if not fed:  # the origin of an unbacked symbol
-                self.flow.dims[node] = _exact_dims(value, self.sym)[0]
+                self.flow.dims[node] = exact_dims(value, self.sym)[0]
                 continue
             self.visit(node, value, carries)
         return self.flow
@@ -202,7 +191,7 @@ class _Walker:
             return self.size_read(node, name)
         if not carries:
             return self.reduction(node, name)
-        dims, tangled = _exact_dims(value, self.sym) if isinstance(value, torch.Tensor) else ((), False)
+        dims, tangled = exact_dims(value, self.sym) if isinstance(value, torch.Tensor) else ((), False)
         if tangled:
             return self.block(node, f"{name} merges the {self.sym} rows with another dimension",
                               "keep the row dimension whole (reshape only the other dimensions)")

@@ -1,6 +1,6 @@
 """Python numbers that Dynamo passes into the graph as 0-d CPU tensors and reads back with `.item()` (with
 dynamic=True, floats such as a LayerNorm eps). The read is a host operation, so it stays eager; the backend
-moves these reads to the top of the graph (partition.hoist_scalar_input_reads), so they do not cut captured
+moves these reads to the top of the graph (split.hoist_scalar_input_reads), so they do not cut captured
 regions apart, and the number reaches the captured partitions as a plain argument: the runtime's graph bank
 keys on it, one graph per value."""
 

@@ -1,7 +1,14 @@
-"""Runtimes that execute captured partitions: drivers (capture/replay) and the local fwd/bwd graph runtime."""
+"""Runtimes that execute captured partitions: drivers (capture/replay) and the local fwd/bwd graph runtime.
+
+Introspection (read-only, for tests and tools): `live_runtimes()` lists the ModelRuntimes alive now;
+`ModelRuntime.live_graphs()` its captured graphs (GraphInstance: `partition`, `kind`, `captured.static_inputs`,
+`copies`, `shared_index`, `replays`), `ModelRuntime.runners()` its PartitionRunners (`name`, `bank_size()`).
+"""
 
 from .driver import CaptureError, CapturedGraph, Driver, get_driver, is_capturing
-from .local import ModelRuntime, compile_partition
+from .graph import GraphInstance
+from .model_runtime import ModelRuntime, live_runtimes
+from .partition_runner import PartitionRunner, compile_partition
 
-__all__ = ["CaptureError", "CapturedGraph", "Driver", "ModelRuntime", "compile_partition", "get_driver",
-           "is_capturing"]
+__all__ = ["CaptureError", "CapturedGraph", "Driver", "GraphInstance", "ModelRuntime", "PartitionRunner",
+           "compile_partition", "get_driver", "is_capturing", "live_runtimes"]

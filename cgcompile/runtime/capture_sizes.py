@@ -6,11 +6,12 @@ capture sizes for the same reason). The backend sees the frame after Dynamo: wit
 user inputs carry a backed size symbol on dim 0 (s0). Per call, `BatchBuckets`:
 
 - pads every tensor input whose dims are exactly that symbol with zero rows (token id 0, position 0: in range)
-  up to the next listed size, and passes the padded size for the symbol's own integer input;
+  up to the next listed size, and passes the padded size for the symbol's own integer input (which inputs and
+  dims: the plan's BatchLayout, found at plan time by passes/batch_rows.py);
 - runs the compiled frame, whose partitions then keep one graph per listed size in their graph bank;
 - slices every output dim sized by the symbol back to the real batch (integer outputs equal to it too).
 
-Exact only when rows stay independent: `batch_padding_blocker` refuses a frame where any op mixes the rows
+Exact only when rows stay independent: `batch_padding_blocker` (passes/batch_rows.py) refuses a frame where any op mixes the rows
 (a softmax, norm or sum across the batch, the batch read as a number, a reshape merging it into another dim)
 or a symbol-sized dim is not a plain one; writes of padded rows into buffers land in rows past the real batch
 (e.g. `cache[:batch]`), which no real row reads. A batch larger than the largest size runs the frame's graph
@@ -21,96 +22,29 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Sequence
 
-import sympy
 import torch
-import torch.fx as fx
 
-from ..counters import add as _count
-from ..passes.common import Finding, example_value, is_static_placeholder
-from ..passes.row_flow import row_flow
+from ..counters import add as count
+from ..passes.batch_rows import BatchLayout
 
-__all__ = ["BatchBuckets", "batch_padding_blocker", "batch_symbol"]
+__all__ = ["BatchBuckets"]
 
 log = logging.getLogger("cgcompile")
-
-
-def _expr(size: Any) -> Any:
-    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
-
-
-def batch_symbol(gm: fx.GraphModule) -> Optional[sympy.Symbol]:
-    """The batch size symbol: dim 0 of the first user tensor input (not a parameter or buffer) whose size there
-    is a plain symbol; None when the frame has a static batch."""
-    for node in gm.graph.nodes:
-        if node.op != "placeholder" or is_static_placeholder(node):
-            continue
-        value = example_value(node)
-        if isinstance(value, torch.Tensor) and value.dim() and isinstance(_expr(value.shape[0]), sympy.Symbol):
-            return _expr(value.shape[0])
-    return None
-
-
-def _plain_dims(value: Any, sym: Any) -> Optional[Tuple[int, ...]]:
-    """Dims of a tensor (or the int itself: ()) whose size is exactly sym; None when sym is tangled in another."""
-    if isinstance(value, torch.SymInt):
-        expr = _expr(value)
-        return () if expr == sym or sym not in expr.free_symbols else None
-    if not isinstance(value, torch.Tensor):
-        return ()
-    dims = []
-    for i, size in enumerate(value.shape):
-        expr = _expr(size)
-        if expr == sym:
-            dims.append(i)
-        elif sym in expr.free_symbols:
-            return None
-    return tuple(dims)
-
-
-def _boundary(gm: fx.GraphModule) -> Tuple[List[fx.Node], List[Any]]:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    results = output.args[0]
-    return placeholders, list(results) if isinstance(results, (tuple, list)) else [results]
-
-
-def batch_padding_blocker(gm: fx.GraphModule, sym: Any) -> Optional[Finding]:
-    """Why padding the `sym` rows of this frame would not be exact, or None when it is.
-
-    The row analysis is passes/row_flow.py (allow_sinks=False: padded rows must reach the outputs untouched),
-    run over the graph without its output node, since the outputs carrying the rows are sliced back here.
-    """
-    placeholders, results = _boundary(gm)
-    for node in placeholders:
-        if _plain_dims(example_value(node), sym) is None:
-            return Finding("not_paddable", "input", None, None, hint="keep the batch as its own dimension",
-                           detail=f"input {node.name} has a dimension mixing the batch {sym} with another size")
-    for result in results:
-        if isinstance(result, fx.Node) and _plain_dims(example_value(result), sym) is None:
-            return Finding("not_paddable", "output", None, None, hint="return the batch as its own dimension",
-                           detail=f"output {result.name} has a dimension mixing the batch {sym} with another size")
-    graph = fx.Graph()
-    graph.graph_copy(gm.graph, {})
-    graph.output(())
-    return row_flow(fx.GraphModule(gm, graph), sym, allow_sinks=False).blocker
 
 
 class BatchBuckets:
     """Wraps a compiled frame: pad the batch to the next capture size, run, slice back (see module docstring)."""
 
-    def __init__(self, gm: fx.GraphModule, sym: Any, run: Callable[..., Any], sizes: Sequence[int], name: str):
-        placeholders, results = _boundary(gm)
-        self.sym, self.run, self.eager, self.name = sym, run, gm.forward, name
+    def __init__(self, layout: BatchLayout, run: Callable[..., Any], eager: Callable[..., Any], sizes: Sequence[int],
+                 name: str):
+        self.run, self.eager, self.name = run, eager, name
         self.sizes = sorted(sizes)
-        self.pad_inputs = [(i, _plain_dims(example_value(n), sym)) for i, n in enumerate(placeholders)
-                           if isinstance(example_value(n), torch.Tensor) and _plain_dims(example_value(n), sym)]
-        self.size_inputs = [i for i, n in enumerate(placeholders) if isinstance(example_value(n), torch.SymInt)
-                            and _expr(example_value(n)) == sym]
-        self.out_dims = [_plain_dims(example_value(r), sym) if isinstance(r, fx.Node) else () for r in results]
-        self.size_outputs = {i for i, r in enumerate(results) if isinstance(r, fx.Node)
-                             and isinstance(example_value(r), torch.SymInt) and _expr(example_value(r)) == sym}
+        self.pad_inputs = list(layout.pad_inputs)
+        self.size_inputs = list(layout.size_inputs)
+        self.out_dims = list(layout.out_dims)
+        self.size_outputs = set(layout.size_outputs)
         self._overflow_logged = False
         self.runtime = getattr(run, "runtime", None)
 
@@ -124,7 +58,7 @@ class BatchBuckets:
         batch = self.batch_of(args)
         slot = bisect.bisect_left(self.sizes, batch)
         if slot == len(self.sizes):
-            _count("capture_size_overflows")
+            count("capture_size_overflows")
             if not self._overflow_logged:
                 self._overflow_logged = True
                 log.warning("cgcompile: %s: batch %d is larger than the largest capture size %d; such calls run "

@@ -2,7 +2,7 @@
 
 `driver.capture(fn, static_inputs, pool)` runs `fn(list_of_inputs) -> list_of_outputs` so that later
 `graph.replay()` re-executes it reading `static_inputs` and writing the *same* output tensor objects it
-returned at capture (`graph.static_outputs`). The runtime (local.py, graphs.py, model_runtime.py) owns all
+returned at capture (`graph.static_outputs`). The runtime (partition_runner.py, graph.py, model_runtime.py) owns all
 buffer logic: what to copy in, what to hand out, when a graph may be replayed. Drivers only capture and replay.
 
 - `cuda`: real CUDA graphs (torch.cuda.CUDAGraph), captured on a side stream into a caller-chosen pool.
@@ -21,10 +21,12 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 
 from .. import _compat
+from ..passes.common import schema_writes
 from .global_state import preserved_global_state
+from .host_sync import host_sync_reason
 
 __all__ = ["CaptureError", "CapturedGraph", "CudaDriver", "Driver", "EagerDriver", "EmulateDriver",
-           "get_driver", "host_sync_reason", "is_capturing", "is_replaying", "release_cuda_graphs"]
+           "get_driver", "is_capturing", "release_cuda_graphs"]
 
 Fn = Callable[[list], Sequence[Any]]
 
@@ -91,7 +93,7 @@ class Driver:
         raise NotImplementedError
 
 
-# --- host-sync detection -------------------------------------------------------------------------------------
+# --- capture state, host-sync guard -------------------------------------------------------------------------------------
 
 _state = threading.local()
 
@@ -117,62 +119,8 @@ def _emulating():
         _state.emulating = previous
 
 
-def is_replaying() -> bool:
-    """True while the emulate driver replays a graph on this thread: the ops then running stand for one graph
-    launch on a GPU (host-op counts in benchmarks leave them out)."""
-    return getattr(_state, "replaying", False)
-
-
-REPLAY_RANGE = "cgcompile::graph_replay"  # profiler range around an emulated replay (see runtime/host_ops.py)
-
-
-@contextlib.contextmanager
-def _replaying():
-    previous = getattr(_state, "replaying", False)
-    _state.replaying = True
-    try:
-        with torch.profiler.record_function(REPLAY_RANGE):
-            yield
-    finally:
-        _state.replaying = previous
-
-
-_INDEX_PUT = (torch.ops.aten.index_put, torch.ops.aten.index_put_, torch.ops.aten._index_put_impl_)
-
-
-def _has_mask(indices: Any) -> bool:
-    return isinstance(indices, (list, tuple)) and any(
-        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
-
-
-def host_sync_reason(func: Any, args: Sequence[Any], kwargs: dict, on_cuda: bool) -> Optional[str]:
-    """Why running `func` would make the host wait for the device, or None. Cheap checks on op tags."""
-    tags = getattr(func, "tags", ())
-    name = str(func)
-    if torch.Tag.data_dependent_output in tags:
-        return f"{name} reads a device value on the host"
-    if torch.Tag.dynamic_output_shape in tags:
-        packet = getattr(func, "overloadpacket", None)
-        if packet is torch.ops.aten.index:  # only boolean-mask indexing has a data-dependent shape
-            if not _has_mask(args[1] if len(args) > 1 else kwargs.get("indices", ())):
-                return None
-        elif packet is torch.ops.aten.repeat_interleave:
-            if kwargs.get("output_size") is not None:
-                return None
-        elif packet is torch.ops.aten.one_hot:
-            num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
-            if num_classes != -1:
-                return None
-        return f"{name} has a data-dependent output shape (its size is read on the host)"
-    if getattr(func, "overloadpacket", None) in _INDEX_PUT and _has_mask(args[1] if len(args) > 1 else ()):
-        return f"{name} with a boolean mask finds the masked positions on the host"
-    if on_cuda and func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
-        src = args[1] if func is torch.ops.aten.copy_.default else args[0]
-        dst_cpu = (args[0].device.type == "cpu" if func is torch.ops.aten.copy_.default
-                   else torch.device(kwargs.get("device") or src.device).type == "cpu")
-        if isinstance(src, torch.Tensor) and src.device.type == "cuda" and dst_cpu:
-            return f"{name} copies a CUDA tensor to the CPU"
-    return None
+# profiler range around an emulated replay: the ops inside stand for one graph launch (see cgcompile/profiling.py)
+REPLAY_RANGE = "cgcompile::graph_replay"
 
 
 class _HostSyncGuard(_compat.TorchDispatchMode):
@@ -244,13 +192,15 @@ def _poison(outputs: Sequence[Any], inputs: Sequence[Any]) -> None:
                     pass
 
 
-class _EmulatedGraph(CapturedGraph):
+class EmulatedGraph(CapturedGraph):
+    """What EmulateDriver.capture returns: replay() re-runs fn on the static inputs into the static outputs."""
+
     def __init__(self, fn: Fn, static_inputs: Sequence[Any], static_outputs: Sequence[Any]):
         super().__init__(static_inputs, static_outputs)
         self.fn = fn
 
     def replay(self) -> List[Any]:
-        with torch.no_grad(), _replaying():
+        with torch.no_grad(), torch.profiler.record_function(REPLAY_RANGE):
             fresh = self.fn(list(self.static_inputs))
             for static, new in zip(self.static_outputs, fresh):
                 if not isinstance(static, torch.Tensor) or new is static:
@@ -310,7 +260,7 @@ class EmulateDriver(Driver):
         finally:
             undo.restore()
         _poison(outputs, static_inputs)
-        return _EmulatedGraph(fn, static_inputs, outputs)
+        return EmulatedGraph(fn, static_inputs, outputs)
 
 
 class _WriteUndo(_compat.TorchDispatchMode):
@@ -324,14 +274,11 @@ class _WriteUndo(_compat.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        schema = func._schema
-        if schema.is_mutable:
-            values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
-            for value, arg in zip(values, schema.arguments):
-                if isinstance(value, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write:
-                    storage = value.untyped_storage()
-                    if storage.data_ptr() not in self.saved and storage.nbytes():
-                        self.saved[storage.data_ptr()] = (storage, storage.clone())
+        for value in schema_writes(func._schema, args, kwargs):
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                if storage.data_ptr() not in self.saved and storage.nbytes():
+                    self.saved[storage.data_ptr()] = (storage, storage.clone())
         return func(*args, **kwargs)
 
     def restore(self) -> None:

@@ -1,9 +1,9 @@
 """ModelRuntime: what every partition of one compiled frame shares.
 
 The driver, the memory pools (shared for the first capture wave, private after it), the registry of which
-captured graph owns which memory (what makes an input borrowed and a graph busy, see graphs.py), the capture
-summary and its progress display. Split out of local.py, which keeps the per-partition graphs; the pool rules
-are in ModelRuntime's docstring.
+captured graph owns which memory (what makes an input borrowed and a graph busy, see graph.py), the list of
+live graphs (each registers at capture and leaves when discarded), the capture summary and its progress
+display. partition_runner.py keeps the per-partition graph bank; the pool rules are in ModelRuntime's docstring.
 """
 
 from __future__ import annotations
@@ -12,22 +12,19 @@ import logging
 import sys
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .. import _compat
-from ..counters import add as _count
-from . import release as _release
+from ..counters import add as count
+from . import release as releases
 from .driver import Driver, EagerDriver, get_driver
-from .graphs import _Graph, _storage_ptr
-
-if TYPE_CHECKING:
-    from .local import _Partition
+from .graph import GraphInstance, storage_ptr
 
 log = logging.getLogger("cgcompile")
 
-_PROGRESS_AFTER_S = 2.0
+PROGRESS_AFTER_S = 2.0  # a capture wave longer than this shows progress
 _EAGER = EagerDriver()
 
 
@@ -53,21 +50,22 @@ class ModelRuntime:
         self.config = config
         self.device = torch.device(device)
         self.driver: Driver = get_driver(str(config.driver), self.device)
-        self._owners: Dict[int, _Graph] = {}  # storage data_ptr -> graph owning that memory
-        self._shared: List[Optional[_Graph]] = []  # shared-pool graphs in capture order (None: discarded)
+        self._owners: Dict[int, GraphInstance] = {}  # storage data_ptr -> graph owning that memory
+        self._shared: List[Optional[GraphInstance]] = []  # shared-pool graphs in capture order (None: discarded)
         self._shared_pool: Any = None
         self._wave_open = True
         self._wave = {"graphs": 0, "seconds": 0.0, "bytes": 0}
         self._summary_logged = False
         self._progress: Optional[_Progress] = None
-        self._partitions: "weakref.WeakSet[_Partition]" = weakref.WeakSet()
-        _release.register(self)
+        self._live: Dict[int, GraphInstance] = {}  # id -> captured graph alive now, in capture order
+        self._runners: "weakref.WeakSet[Any]" = weakref.WeakSet()  # PartitionRunners using this runtime
+        releases.register(self)
 
     # public ---------------------------------------------------------------------------------------------
 
     def is_static(self, t: Any) -> bool:
         """Does `t` alias memory owned by one of our graphs (a static output or a static input buffer)?"""
-        return isinstance(t, torch.Tensor) and bool(self._owners) and _storage_ptr(t) in self._owners
+        return isinstance(t, torch.Tensor) and bool(self._owners) and storage_ptr(t) in self._owners
 
     def finish_frame_outputs(self, outputs: Any) -> Any:
         """Clone the frame outputs that alias static memory (when config.clone_outputs), so the next replay
@@ -99,24 +97,30 @@ class ModelRuntime:
     def release(self) -> None:
         """Drop every graph, the shared pool and the driver's stream (cgcompile.release()); the partitions
         warm up and capture again on their next calls. A pending backward of a released forward runs eagerly."""
-        for part in list(self._partitions):
-            part.release()
+        for runner in list(self._runners):
+            runner.release()
         self._owners.clear()
+        self._live.clear()
         self._shared, self._shared_pool, self._wave_open = [], None, True
         self.driver.release()
 
     def graph_memory(self) -> List[Dict[str, Any]]:
         """Per live graph: its partition, kind, the pool bytes its capture reserved (CUDA only), and the bytes
         of the static input buffers and outputs it owns (what it keeps allocated between calls)."""
-        rows = []
-        for part in list(self._partitions):
-            for variant in part.bank.values():
-                for family in (variant.forward, variant.inference):
-                    for graph in family.graphs if family is not None else ():
-                        for g, kind in ((graph, family.kind), (graph.bw, "backward")):
-                            if g is not None and g.captured is not None:
-                                rows.append({"partition": part.name, "kind": kind, **g.memory()})
-        return rows
+        return [{"partition": g.partition, "kind": g.kind, **g.memory()} for g in self.live_graphs()]
+
+    def live_graphs(self) -> List[GraphInstance]:
+        """The captured graphs alive now (forward, backward and inference instances), in capture order.
+        Read-only introspection for tests and tools (see README, "Inspecting the runtime")."""
+        return list(self._live.values())
+
+    def runners(self) -> List[Any]:
+        """The PartitionRunners (captured partitions) that run on this runtime."""
+        return list(self._runners)
+
+    def add_runner(self, runner: Any) -> None:
+        """A PartitionRunner on this runtime: release() forgets its graphs too."""
+        self._runners.add(runner)
 
     # internal -------------------------------------------------------------------------------------------
 
@@ -127,8 +131,8 @@ class ModelRuntime:
             return _EAGER
         return self.driver
 
-    def owner(self, t: torch.Tensor) -> Optional["_Graph"]:
-        return self._owners.get(_storage_ptr(t)) if self._owners else None
+    def owner(self, t: torch.Tensor) -> Optional[GraphInstance]:
+        return self._owners.get(storage_ptr(t)) if self._owners else None
 
     def pool(self) -> Tuple[Any, bool]:
         """(pool token, shared?) for the next capture."""
@@ -138,9 +142,9 @@ class ModelRuntime:
             return self._shared_pool, True
         return self.driver.new_pool(), False
 
-    def lenders(self, args: Sequence[Any]) -> Dict[int, Tuple["_Graph", int, int]]:
+    def lenders(self, args: Sequence[Any]) -> Dict[int, Tuple[GraphInstance, int, int]]:
         """For the arguments living in our graphs' memory: storage ptr -> (owner, handle, use count now)."""
-        found: Dict[int, Tuple[_Graph, int, int]] = {}
+        found: Dict[int, Tuple[GraphInstance, int, int]] = {}
         for arg in args:
             if isinstance(arg, torch.Tensor) and self._owners:
                 ptr, sid = _compat.storage_key(arg)
@@ -148,7 +152,7 @@ class ModelRuntime:
                     found[ptr] = (self._owners[ptr], sid, _compat.storage_use_count(sid))
         return found
 
-    def register(self, graph: "_Graph", shared: bool, lenders: Dict[int, Tuple["_Graph", int, int]]) -> None:
+    def register(self, graph: GraphInstance, shared: bool, lenders: Dict[int, Tuple[GraphInstance, int, int]]) -> None:
         """Record a new graph's memory: what it owns (with use-count baselines) and what it borrows.
 
         `lenders` was measured before the capture with the same caller references alive, so the growth
@@ -156,53 +160,43 @@ class ModelRuntime:
         that view them, and anything those keep alive) and goes into the lender's idle baseline.
         """
         for ptr, sid in graph.owned_storages():
-            graph.owned[ptr] = [sid, 0]
+            graph.own(ptr, sid)
             self._owners[ptr] = graph
         for ptr, (lender, sid, before) in lenders.items():
             if lender.captured is not None and ptr in lender.owned:
-                kept = _compat.storage_use_count(sid) - before
-                lender.owned[ptr][1] += kept
-                graph.borrowed_from.append((lender, ptr, kept))
-        for entry in graph.owned.values():  # nothing handed out yet: current count = our own references
-            entry[1] += _compat.storage_use_count(entry[0])
+                graph.borrow(lender, ptr, _compat.storage_use_count(sid) - before)
+        graph.settle(len(self._shared) if shared else None)
         if shared:
-            graph.shared_index = len(self._shared)
             self._shared.append(graph)
+        self._live[id(graph)] = graph
         captured = graph.captured
         seconds = graph.capture_seconds
-        _count("graphs_captured")
-        _count("capture_seconds", seconds)
-        _count("pool_bytes", captured.pool_bytes)
+        count("graphs_captured")
+        count("capture_seconds", seconds)
+        count("pool_bytes", captured.pool_bytes)
         if not self._summary_logged:
             self._wave["graphs"] += 1
             self._wave["seconds"] += seconds
             self._wave["bytes"] += captured.pool_bytes
-            if self._wave["seconds"] > _PROGRESS_AFTER_S:
+            if self._wave["seconds"] > PROGRESS_AFTER_S:
                 if self._progress is None:
                     self._progress = _Progress(self._wave["graphs"])
                 else:
                     self._progress.update()
 
-    def discard(self, graph: Optional["_Graph"]) -> None:
+    def discard(self, graph: Optional[GraphInstance]) -> None:
         """Forget a graph (re-capture, fallback): release its memory claims so its storage can be freed."""
         if graph is None:
             return
         for ptr in graph.owned:
             if self._owners.get(ptr) is graph:
                 del self._owners[ptr]
-        for lender, ptr, kept in graph.borrowed_from:
-            if ptr in lender.owned:
-                lender.owned[ptr][1] -= kept
-        graph.borrowed_from = []
-        graph.owned = {}
         if graph.shared_index is not None:
             self._shared[graph.shared_index] = None
-        if graph.bw is not None:
-            self.discard(graph.bw)
-            graph.bw = None
-        graph.captured = None
+        self._live.pop(id(graph), None)
+        self.discard(graph.forget())
 
-    def may_replay(self, graph: "_Graph") -> bool:
+    def may_replay(self, graph: GraphInstance) -> bool:
         """Pool rule (see class docstring): no later-captured shared-pool graph may be busy."""
         if graph.shared_index is None:
             return True
@@ -212,11 +206,16 @@ class ModelRuntime:
                 free = False  # no early exit: every graph holding stolen grads stops handing them out
         return free
 
-    def note_replay(self, graph: "_Graph") -> None:
-        graph.replays += 1
+    def note_replay(self, graph: GraphInstance) -> None:
+        """Called by each replay (after counting it): the first second use of a graph ends the capture wave."""
         if graph.replays > 1 and self._wave_open:  # replay 1 follows the capture itself
             self._wave_open = False
             self.log_capture_summary()
+
+
+def live_runtimes() -> List[ModelRuntime]:
+    """Every ModelRuntime alive now (one per compiled frame with captured partitions), for introspection."""
+    return [h for h in releases.holders() if isinstance(h, ModelRuntime)]
 
 
 class _Progress:

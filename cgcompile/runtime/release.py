@@ -3,7 +3,7 @@
 Why explicit: a captured graph is destroyed only when the last Python reference to it goes, and references
 outlive a model in ways a user cannot see (Dynamo's caches, autograd graphs of kept outputs, aliases a replay
 handed out). Graphs with NCCL collectives keep the communicator busy, so `dist.destroy_process_group()`
-waits for them (issue 12.3). release() resets every graph itself instead of waiting for the garbage collector.
+waits for them. release() resets every graph itself instead of waiting for the garbage collector.
 Compiled models stay usable: their next calls warm up and capture again. `torch._dynamo.reset()` calls it
 too, through the backend's `reset` attribute (torch.compile's backend wrapper calls it on Dynamo reset).
 """
@@ -15,7 +15,7 @@ from typing import Any, Dict, List
 
 import torch
 
-__all__ = ["graph_memory", "register", "release"]
+__all__ = ["graph_memory", "holders", "register", "release"]
 
 _holders: "weakref.WeakSet[Any]" = weakref.WeakSet()  # objects with release() (and maybe graph_memory())
 
@@ -24,6 +24,11 @@ def register(holder: Any) -> Any:
     """Track an object that holds graphs (ModelRuntime, CapturedStep, TEFrame) for release()."""
     _holders.add(holder)
     return holder
+
+
+def holders() -> List[Any]:
+    """The objects registered and still alive."""
+    return list(_holders)
 
 
 def release() -> None:

@@ -8,7 +8,7 @@ has the same contract, on a GPU, and with `emulated_make_graphed_callables` on t
 `options["te"]` is passed to it unchanged (fp8_enabled, fp8_recipe, fp8_group, num_warmup_iters, ...).
 
 TE's restrictions, and where each is handled: tensor-only arguments and outputs are checked at plan time
-(partition.py reports a `te_restriction` reason and keeps such a partition eager); module hooks cannot bite,
+(planner.py reports a `te_restriction` reason and keeps such a partition eager); module hooks cannot bite,
 because the callables handed over are split FX submodules (Dynamo already inlined the user's hooks into the
 graph) and carry none; train/eval consistency holds because Dynamo guards on the training flag, so eval mode
 compiles a separate frame, and no-grad frames are not graphed at all (transformer_engine has no inference scope).
@@ -32,9 +32,9 @@ import torch.fx as fx
 
 from .. import counters
 from ..errors import ConfigError
-from ..partition import replace_submodule
+from ..split import replace_submodule
 from .global_state import preserved_global_state
-from .local import is_static_tensor
+from .graph import is_static_tensor
 from .release import register
 
 log = logging.getLogger("cgcompile")
@@ -191,7 +191,8 @@ def emulated_make_graphed_callables(callables: Sequence[Any], sample_args: Seque
     """make_graphed_callables' contract on the CPU, through the emulate driver: each callable gets forward and
     backward graphs with static buffers; parameters among the sample args are static. For tests of the glue."""
     from ..config import CudaGraphConfig
-    from .local import ModelRuntime, compile_partition
+    from .model_runtime import ModelRuntime
+    from .partition_runner import compile_partition
 
     config = CudaGraphConfig.from_options({"driver": "emulate", "cuda_graph_warmup_steps": max(1, num_warmup_iters)})
     runtime = ModelRuntime(config, torch.device("cpu"))

@@ -18,7 +18,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import _compat, counters
 from ..errors import ConfigError
-from .driver import Driver, get_driver, host_sync_reason
+from .driver import Driver, get_driver
+from .host_sync import host_sync_reason
 from .release import register
 
 log = logging.getLogger("cgcompile")

@@ -54,7 +54,7 @@ def nccl_group(tmp_path_factory):
     store = dist.FileStore(str(tmp_path_factory.mktemp("nccl") / "store"), 1)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
     yield dist.group.WORLD
-    # Graphs holding NCCL collectives keep the communicator busy: destroy them first (issue 12.3), and never
+    # Graphs holding NCCL collectives keep the communicator busy: destroy them first (cgcompile.release()), and never
     # wait forever on NCCL: a destroy that does not return within the limit fails the run instead of hanging it.
     cgcompile.release()
     torch._dynamo.reset()

@@ -1,4 +1,4 @@
-"""dynamic_padding with real CUDA graphs (issue 11): the padded expert loop trains like eager, "max" leaves no
+"""dynamic_padding with real CUDA graphs: the padded expert loop trains like eager, "max" leaves no
 host sync, full_iteration + "max" captures the MoE step whole; skipped without CUDA.
 
 The same checks as tests/test_dynamic_padding.py on the emulate driver, where the buffer logic is proven; here
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cgcompile import reset_stats, stats
-from cgcompile.runtime.host_ops import HostOpCounter
+from cgcompile.profiling import HostOpCounter
 from tests.models import MODELS
 from tests.test_dynamic_padding import _options, _train_like_eager
 

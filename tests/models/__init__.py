@@ -74,9 +74,9 @@ def _spec(name, module, modules, **kw) -> ModelSpec:
 
 MODELS: dict[str, ModelSpec] = {
     "dense_gpt": _spec("dense_gpt", dense_gpt, ["attn", "mlp"]),
-    "moe_mask": _spec("moe_mask", moe, ["attn", "moe_router", "moe_preprocess"],
+    "moe_mask": _spec("moe_mask", moe, moe.CUDA_GRAPH_MODULES,
                       build=functools.partial(moe.build, dispatch="mask"), dispatch="mask"),
-    "moe_sort": _spec("moe_sort", moe, ["attn", "moe_router", "moe_preprocess"],
+    "moe_sort": _spec("moe_sort", moe, moe.CUDA_GRAPH_MODULES,
                       build=functools.partial(moe.build, dispatch="sort"), dispatch="sort"),
     "mamba": _spec("mamba", mamba, ["mamba"]),
     "hf_style": _spec("hf_style", hf_style, ["attn", "mlp"], prepare=hf_style.prepare),

@@ -1,4 +1,5 @@
-"""Count what a step still runs op by op on the host: the CPU proxy for launch overhead.
+"""Count what a step still runs op by op on the host: the CPU proxy for launch overhead (a benchmark and
+test tool; nothing in the backend uses it).
 
 On a GPU every op dispatched outside a CUDA graph is a kernel launch (or more) paid on the host, and every
 data-dependent read (nonzero's size, .item()) is a sync. The emulate driver replays a graph by running its ops
@@ -13,7 +14,7 @@ from typing import Tuple
 
 import torch
 
-from .driver import REPLAY_RANGE
+from .runtime.driver import REPLAY_RANGE
 
 __all__ = ["HostOpCounter", "SYNC_OPS", "count_events"]
 

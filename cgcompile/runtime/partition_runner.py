@@ -1,37 +1,34 @@
-"""The local runtime: each captured partition runs as forward/backward (or inference) graphs of its own.
+"""The local runtime, per partition: each captured partition runs as forward/backward (or inference) graphs.
 
 Per partition, aot_autograd (run lazily at the first call of each input signature, with the real tensors)
 splits the submodule into functional aten forward and backward graphs; aot's runtime wrappers keep doing input
 mutation copy-back and output aliasing, while our compilers wrap each graph in a `_Family` that warms up,
 captures and replays it through the driver. This module is that glue: `_Family` (the captured instances of
 one aot graph: which instance a call replays, capturing a new one), `_Variant` (one aot compilation per
-graph-bank key), `_Partition` (graph bank, warmup, eager fallback) and `compile_partition`, the entry point.
+graph-bank key), `PartitionRunner` (graph bank, warmup, eager fallback) and `compile_partition`, the entry point.
 
 The rules they follow live next to the code that keeps them: the buffer rules (static, borrowed and owned
 inputs, aliased outputs, busy graphs and their instances, backward instances, stolen grads, inputs a graph
-writes) in graphs.py's docstring, with `_Graph`; the memory-pool rules and the registry of static memory in
-ModelRuntime (model_runtime.py).
+writes) in graph.py's docstring, with `GraphInstance`; the memory-pool rules, the registry of static memory
+and the list of live graphs in ModelRuntime (model_runtime.py).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
 
 from .. import _compat
-from ..counters import record as _record
+from ..counters import record
 from .driver import Driver
 from .global_state import preserved_global_state
-from .graphs import (_BORROWED, _CONST, _MISMATCH, _OWNED, _PARAM, _Graph, _mutated_inputs, _static_buffer,
-                     _storage_ptr, is_static_tensor)
+from .graph import MISMATCH, GraphInstance, capture_instance, is_static_tensor, mutated_inputs, storage_ptr
 from .model_runtime import ModelRuntime
 
-__all__ = ["ModelRuntime", "compile_partition", "is_static_tensor"]
+__all__ = ["PartitionRunner", "compile_partition"]
 
 log = logging.getLogger("cgcompile")
 
@@ -49,7 +46,7 @@ class _Family:
         self.run = run  # the uncaptured graph (aot graph, or Inductor's compiled version)
         self.mutated = mutated  # inputs the graph itself writes (Inductor keeps some input mutations)
         self.calls = 0
-        self.graphs: List[_Graph] = []  # forward/inference instances
+        self.graphs: List[GraphInstance] = []  # forward/inference instances
 
     def __call__(self, args: list) -> Any:
         part = self.part
@@ -67,7 +64,7 @@ class _Family:
         stale = None
         for index, graph in enumerate(self.graphs):
             verdict = graph.match(args)  # first: cheapest, and fails fast for other layers' instances
-            if verdict is _MISMATCH or graph.busy() or not runtime.may_replay(graph):
+            if verdict is MISMATCH or graph.busy() or not runtime.may_replay(graph):
                 continue
             if graph.bw is not None and graph.bw.busy():  # its grads, stolen as .grad, are still held
                 continue
@@ -91,14 +88,14 @@ class _Family:
             old = self.graphs[replace]
             part.graph_counts[old.param_storages] -= 1
             runtime.discard(old)
-            _record("recaptures", part.name, reason)
+            record("recaptures", part.name, reason)
             log.info("cgcompile: re-capturing %s %s graph: %s", part.describe(), self.kind, reason)
         try:
             graph = self._capture(args, frozenset(part.static_storages()))
         except Exception as exc:
             part.fail(f"capturing its {self.kind} graph failed: {type(exc).__name__}: {exc}")
             return self.run(args)
-        graph.param_refs = {i: weakref.ref(args[i]) for i, k in enumerate(graph.kinds) if k is _PARAM}
+        graph.remember_params(args)
         part.graph_counts[graph.param_storages] = part.graph_counts.get(graph.param_storages, 0) + 1
         if replace is None:
             self.graphs.append(graph)
@@ -114,7 +111,7 @@ class _Family:
         runtime = self.part.runtime
         if instance.bw is None:
             try:
-                instance.bw = self._capture(args, instance.param_storages)
+                instance.attach_backward(self._capture(args, instance.param_storages))
             except Exception as exc:
                 self.part.fail(f"capturing its backward graph failed: {type(exc).__name__}: {exc}")
                 return self.run(args)
@@ -122,17 +119,17 @@ class _Family:
               or instance.bw.match(args) is not None):
             return self.run(args)  # e.g. a second backward through the same forward (retain_graph)
         bw = instance.bw
-        bw.cleared_streak = bw.cleared_streak + 1 if self._grads_cleared(instance) else 0
+        bw.note_grads(self._grads_cleared(instance))
         return bw.replay(args, runtime, alias=bw.steal)
 
     @staticmethod
-    def _grads_cleared(instance: _Graph) -> bool:
+    def _grads_cleared(instance: GraphInstance) -> bool:
         """Are the grads of the parameters this instance reads unset, as after zero_grad(set_to_none=True)?
         Checked before the backward replays, i.e. before AccumulateGrad runs for them."""
         params = [ref() for ref in instance.param_refs.values()]
         return all(p is None or p.grad is None for p in params)
 
-    def instance_for(self, backward_args: Sequence[Any]) -> Optional[_Graph]:
+    def instance_for(self, backward_args: Sequence[Any]) -> Optional[GraphInstance]:
         """The forward instance that produced these saved tensors, if any.
 
         Saved tensors reach the backward as the very alias objects a replay handed out (autograd keeps
@@ -143,52 +140,18 @@ class _Family:
         tensors = [a for a in backward_args if isinstance(a, torch.Tensor)]
         for arg in tensors:
             graph = getattr(arg, "_cgcompile_graph", None)
-            if graph is not None and graph.family is self:
+            if graph is not None and graph.owner is self:
                 return graph
         for arg in tensors:
             graph = runtime.owner(arg)
-            if graph is not None and graph.family is self:
+            if graph is not None and graph.owner is self:
                 return graph
         return None
 
-    def _capture(self, args: list, param_storages: frozenset) -> _Graph:
-        runtime = self.part.runtime
-        lenders = runtime.lenders(args)
-        kinds: List[str] = []
-        inputs: List[Any] = []
-        for index, arg in enumerate(args):
-            if not isinstance(arg, torch.Tensor):
-                kinds.append(_CONST)
-                inputs.append(arg)
-                continue
-            # Static and borrowed inputs are held as detached aliases: the graph needs their memory, not
-            # their autograd history (holding a caller's tensor would keep its whole autograd graph alive).
-            ptr = _storage_ptr(arg)
-            if ptr and ptr in param_storages:
-                kinds.append(_PARAM)
-                inputs.append(arg.detach())
-            elif ptr and runtime.owner(arg) is not None:
-                kinds.append(_BORROWED)
-                inputs.append(arg.detach())
-            else:
-                kinds.append(_OWNED)
-                inputs.append(_static_buffer(arg, index))
-        # Capturing runs the graph once (emulate; CUDA's warmup): undo its writes to inputs, or the replay
-        # that produces this call's results would apply them a second time.
-        with torch.no_grad():
-            saved = {i: inputs[i].clone() for i in self.mutated if isinstance(inputs[i], torch.Tensor)}
-        pool, shared = runtime.pool()
-        start = time.perf_counter()
-        captured = self.part.driver.capture(self.run, inputs, pool)
-        seconds = time.perf_counter() - start
-        with torch.no_grad():
-            for i, value in saved.items():
-                inputs[i].copy_(value)
-        graph = _Graph(self, captured, kinds, param_storages, seconds)
-        graph.copy_back = [i for i in self.mutated if kinds[i] is _OWNED]
-        del inputs, captured, saved
-        runtime.register(graph, shared, lenders)
-        return graph
+    def _capture(self, args: list, param_storages: frozenset) -> GraphInstance:
+        part = self.part
+        return capture_instance(self, part.name, part.describe(), self.kind, self.run, args, param_storages,
+                                self.mutated, part.runtime, part.driver)
 
     def discard(self) -> None:
         for graph in self.graphs:
@@ -203,7 +166,7 @@ class _Variant:
     """One aot_autograd compilation of a partition (one graph-bank key) and its forward/backward/inference
     graph families (which aot creates through our compilers)."""
 
-    def __init__(self, part: "_Partition", args: Sequence[Any]):
+    def __init__(self, part: "PartitionRunner", args: Sequence[Any]):
         self.part = part
         self.forward: Optional[_Family] = None
         self.backward: Optional[_Family] = None
@@ -214,7 +177,7 @@ class _Variant:
 
     def _runner(self, kind: str, run: Callable[[list], Any], gm: fx.GraphModule) -> Callable[[list], Any]:
         """Called by aot for each graph it compiles: what aot runs instead of it."""
-        family = _Family(self, kind, run, _mutated_inputs(gm))
+        family = _Family(self, kind, run, mutated_inputs(gm))
         setattr(self, kind, family)
 
         def run_family(args: list) -> Any:
@@ -246,8 +209,9 @@ def _tuple_returning(gm: fx.GraphModule) -> Tuple[Optional[type], fx.GraphModule
     return None, fx.GraphModule(gm, graph)
 
 
-class _Partition:
-    """The callable compile_partition returns: graph bank, warmup/capture, permanent eager fallback."""
+class PartitionRunner:
+    """The callable compile_partition returns for one captured partition: graph bank, warmup/capture,
+    permanent eager fallback. (`Partition` is the plan's record of the same partition, plan.py.)"""
 
     def __init__(self, submod: fx.GraphModule, name: str, static_input_indices: Sequence[int],
                  runtime: ModelRuntime, location: Optional[str], driver: Driver):
@@ -267,7 +231,7 @@ class _Partition:
         self.broken: Optional[str] = None
         self._warned: set = set()
         self._args: Optional[Sequence[Any]] = None
-        runtime._partitions.add(self)
+        runtime.add_runner(self)
 
     def __call__(self, *args: Any) -> Any:
         if self.broken is not None:
@@ -318,11 +282,15 @@ class _Partition:
         args = self._args or ()
         for index, arg in enumerate(args):
             if is_static_tensor(arg) or (isinstance(arg, torch.Tensor) and index in self.static_indices):
-                found.add(_storage_ptr(arg))
+                found.add(storage_ptr(arg))
         for tensor in list(self.submod.parameters()) + list(self.submod.buffers()):
-            found.add(_storage_ptr(tensor))
+            found.add(storage_ptr(tensor))
         found.discard(0)
         return found
+
+    def bank_size(self) -> int:
+        """How many input signatures (graph-bank keys) have a compiled variant now."""
+        return len(self.bank)
 
     def describe(self) -> str:
         return f"partition {self.name}" + (f" ({self.location})" if self.location else "")
@@ -333,7 +301,7 @@ class _Partition:
             return
         self.broken = reason
         log.warning("cgcompile: %s runs eagerly from now on: %s", self.describe(), reason)
-        _record("eager_fallbacks", self.name, reason, once=True)
+        record("eager_fallbacks", self.name, reason, once=True)
         for variant in self.bank.values():
             variant.discard()
         self.bank = {}
@@ -346,7 +314,7 @@ class _Partition:
 
     def eager_call(self, reason: str) -> None:
         """One call runs eagerly (bank full): log and count once per partition and reason."""
-        _record("eager_fallbacks", self.name, reason, once=True)
+        record("eager_fallbacks", self.name, reason, once=True)
         if reason not in self._warned:
             self._warned.add(reason)
             log.warning("cgcompile: %s: %s", self.describe(), reason)
@@ -367,4 +335,4 @@ def compile_partition(submod: fx.GraphModule, example_inputs: Sequence[Any], *, 
     driver = runtime.driver_for(example_inputs)
     if not driver.captures and str(runtime.config.inner_compiler) == "eager":
         return submod
-    return _Partition(submod, name, static_input_indices, runtime, location, driver)
+    return PartitionRunner(submod, name, static_input_indices, runtime, location, driver)

@@ -1,10 +1,9 @@
-"""One captured graph (`_Graph`) and the buffer rules it implements: how each argument of a call reaches the
-graph's static inputs, what a replay hands out, when a graph is busy, when a backward's grads may be stolen.
+"""One captured graph (`GraphInstance`) and the buffer rules it implements: how each argument of a call reaches
+the graph's static inputs, what a replay hands out, when a graph is busy, when a backward's grads may be stolen.
 
-Split out of local.py so that these rules sit next to the code that keeps them. `_Family` (local.py) applies
-them when it captures (classifying each argument, restoring inputs the capture wrote) and when it picks the
-instance a call replays; ModelRuntime (model_runtime.py) keeps the registry of which graph owns which memory,
-and the pool rules. The buffer rules, in one place:
+`capture_instance` classifies each argument, captures through the driver and restores inputs the capture wrote;
+partition_runner.py picks the instance a call replays; ModelRuntime (model_runtime.py) keeps the registry of which
+graph owns which memory, the live graphs, and the pool rules. The buffer rules, in one place:
 
 - Static inputs (parameters, buffers) are never copied: their address is recorded at capture and checked at
   replay; a moved one re-captures (counted in stats()["recaptures"]). Other parameters altogether (Dynamo
@@ -40,25 +39,23 @@ and the pool rules. The buffer rules, in one place:
 from __future__ import annotations
 
 import logging
+import time
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
 
 from .. import _compat
-from ..counters import add as _count
-from .driver import CaptureError, CapturedGraph
-
-if TYPE_CHECKING:
-    from .local import _Family
-    from .model_runtime import ModelRuntime
+from ..counters import add as count
+from ..passes.common import written_args
+from .driver import CaptureError, CapturedGraph, Driver
 
 log = logging.getLogger("cgcompile")
 
 # How a call argument reaches a graph's static input.
-_CONST, _PARAM, _BORROWED, _OWNED = "const", "param", "borrowed", "owned"
-_MISMATCH = object()  # match(): this graph was captured for other addresses/values; try another instance
+CONST, PARAM, BORROWED, OWNED = "const", "param", "borrowed", "owned"
+MISMATCH = object()  # match(): this graph was captured for other addresses/values; try another instance
 
 
 def is_static_tensor(arg: Any) -> bool:
@@ -68,58 +65,108 @@ def is_static_tensor(arg: Any) -> bool:
         isinstance(arg, torch.Tensor) and hasattr(arg, "_dynamo_static_input_type"))
 
 
-def _storage_ptr(t: torch.Tensor) -> int:
+def storage_ptr(t: torch.Tensor) -> int:
+    """The address of t's storage (0 for a storage without memory): the key of the memory registry."""
     return _compat.storage_key(t)[0]
 
 
 # --- one captured graph --------------------------------------------------------------------------------------
 
 
-class _Graph:
-    """One captured graph, and how each argument of a call reaches its static inputs."""
+class GraphInstance:
+    """One captured graph, and how each argument of a call reaches its static inputs.
 
-    def __init__(self, family: "_Family", captured: CapturedGraph, kinds: List[str], param_storages: frozenset,
-                 capture_seconds: float):
-        self.family = family
+    `owner` is whatever captured it (partition_runner's graph family: used to tell its instances apart),
+    `partition` (the partition's name), `label` (its description) and `kind` ("forward", "backward",
+    "inference") name it in logs and stats()["graphs"]. Its
+    fields are written here only; ModelRuntime records ownership through own()/lend()/forget()."""
+
+    def __init__(self, owner: Any, partition: str, label: str, kind: str, captured: CapturedGraph, kinds: List[str],
+                 param_storages: frozenset, capture_seconds: float, mutated: frozenset = frozenset()):
+        self.owner = owner
+        self.partition = partition
+        self.label = label
+        self.kind = kind
         self.captured: Optional[CapturedGraph] = captured
         self.kinds = kinds
         self.param_storages = param_storages
         self.capture_seconds = capture_seconds
         inputs = captured.static_inputs
-        self.param_ptrs = {i: inputs[i].data_ptr() for i, k in enumerate(kinds) if k is _PARAM}
+        self.param_ptrs = {i: inputs[i].data_ptr() for i, k in enumerate(kinds) if k is PARAM}
         self.param_refs: Dict[int, weakref.ref] = {}  # the caller's parameter objects, to tell "moved" apart
         # match() runs on every call: the expected address or value per position, computed once here.
         self.param_checks = list(self.param_ptrs.items())
-        self.borrow_checks = [(i, inputs[i].data_ptr()) for i, k in enumerate(kinds) if k is _BORROWED]
-        self.const_checks = [(i, inputs[i]) for i, k in enumerate(kinds) if k is _CONST]
-        self.copies = [i for i, k in enumerate(kinds) if k is _OWNED]
-        self.copy_back: List[int] = []  # copied-in inputs the graph writes: the caller's tensor gets the result
+        self.borrow_checks = [(i, inputs[i].data_ptr()) for i, k in enumerate(kinds) if k is BORROWED]
+        self.const_checks = [(i, inputs[i]) for i, k in enumerate(kinds) if k is CONST]
+        self.copies = [i for i, k in enumerate(kinds) if k is OWNED]
+        # copied-in inputs the graph writes: the caller's tensor gets the result
+        self.copy_back: List[int] = [i for i in sorted(mutated) if kinds[i] is OWNED]
         self.owned: Dict[int, List[int]] = {}  # storage ptr -> [storage handle, use count when idle]
-        self.borrowed_from: List[Tuple[_Graph, int, int]] = []  # (lender, storage ptr, references we keep)
+        self.borrowed_from: List[Tuple[GraphInstance, int, int]] = []  # (lender, storage ptr, references we keep)
         self.shared_index: Optional[int] = None
         self.replays = 0
         self.handed: List[weakref.ref] = []  # the aliases the last replay handed out
         self.free = False  # seen idle since its last replay: stays so until the next replay (see busy())
-        self.bw: Optional[_Graph] = None  # a forward instance's backward graph
+        self.bw: Optional[GraphInstance] = None  # a forward instance's backward graph
         self.cleared_streak = 0  # backward: replays in a row that found the parameters' grads cleared
+
+    # memory registry (ModelRuntime) ----------------------------------------------------------------------
+
+    def own(self, ptr: int, storage_handle: int) -> None:
+        """Record that this graph owns the storage at ptr; its idle use count is settled by settle()."""
+        self.owned[ptr] = [storage_handle, 0]
+
+    def borrow(self, lender: "GraphInstance", ptr: int, kept: int) -> None:
+        """This graph keeps `kept` references to memory `lender` owns: they count as the lender's idle state."""
+        lender.owned[ptr][1] += kept
+        self.borrowed_from.append((lender, ptr, kept))
+
+    def settle(self, shared_index: Optional[int]) -> None:
+        """After capture, nothing handed out yet: the current use counts are the graph's own references."""
+        for entry in self.owned.values():
+            entry[1] += _compat.storage_use_count(entry[0])
+        self.shared_index = shared_index
+
+    def forget(self) -> Optional["GraphInstance"]:
+        """Give up every memory claim (re-capture, fallback, release) so the storage can be freed. Returns the
+        backward graph that belonged to this instance, for the runtime to forget too."""
+        for lender, ptr, kept in self.borrowed_from:
+            if ptr in lender.owned:
+                lender.owned[ptr][1] -= kept
+        bw, self.bw = self.bw, None
+        self.borrowed_from, self.owned, self.captured = [], {}, None
+        return bw
+
+    # use -----------------------------------------------------------------------------------------------------
+
+    def remember_params(self, args: Sequence[Any]) -> None:
+        """Keep weak references to the caller's parameter objects, to tell "moved" from "another layer's"."""
+        self.param_refs = {i: weakref.ref(args[i]) for i, k in enumerate(self.kinds) if k is PARAM}
+
+    def attach_backward(self, bw: "GraphInstance") -> None:
+        self.bw = bw
+
+    def note_grads(self, cleared: bool) -> None:
+        """Backward: before this replay the parameters' grads were (not) cleared; two in a row enable stealing."""
+        self.cleared_streak = self.cleared_streak + 1 if cleared else 0
 
     def memory(self) -> Dict[str, int]:
         """Bytes this graph holds: its pool reservation, its copied-in input buffers, its own outputs."""
         inputs = self.captured.static_inputs
         nbytes = {_compat.storage_key(t)[0]: t.untyped_storage().nbytes() for t in inputs
                   if isinstance(t, torch.Tensor)}
-        buffers = sum(nbytes[_storage_ptr(t)] for t, k in zip(inputs, self.kinds) if k is _OWNED)
-        outputs = {_storage_ptr(t): t.untyped_storage().nbytes() for t in self.captured.static_outputs
-                   if isinstance(t, torch.Tensor) and _storage_ptr(t) not in nbytes}
+        buffers = sum(nbytes[storage_ptr(t)] for t, k in zip(inputs, self.kinds) if k is OWNED)
+        outputs = {storage_ptr(t): t.untyped_storage().nbytes() for t in self.captured.static_outputs
+                   if isinstance(t, torch.Tensor) and storage_ptr(t) not in nbytes}
         return {"pool_bytes": self.captured.pool_bytes, "static_input_bytes": buffers,
                 "static_output_bytes": sum(outputs.values())}
 
     def owned_storages(self) -> List[Tuple[int, int]]:
         """Storages this graph owns: its copied-in input buffers and outputs not aliasing other inputs."""
         inputs = self.captured.static_inputs
-        foreign = {_storage_ptr(t) for t, k in zip(inputs, self.kinds) if k in (_PARAM, _BORROWED)}
+        foreign = {storage_ptr(t) for t, k in zip(inputs, self.kinds) if k in (PARAM, BORROWED)}
         found: Dict[int, int] = {}
-        candidates = [t for t, k in zip(inputs, self.kinds) if k is _OWNED] + list(self.captured.static_outputs)
+        candidates = [t for t, k in zip(inputs, self.kinds) if k is OWNED] + list(self.captured.static_outputs)
         for t in candidates:
             if isinstance(t, torch.Tensor):
                 ptr, sid = _compat.storage_key(t)
@@ -150,25 +197,25 @@ class _Graph:
             if self.steal:
                 self.cleared_streak = 0
                 log.debug("cgcompile: %s: gradients kept across steps; backward outputs are copied from now on",
-                          self.family.part.describe())
+                          self.label)
             return True
         self.free = True
         return False
 
     def match(self, args: Sequence[Any]) -> Any:
-        """None if this graph can run `args`; else _MISMATCH (captured for other addresses, e.g. another
+        """None if this graph can run `args`; else MISMATCH (captured for other addresses, e.g. another
         layer's parameters when Dynamo reuses one compiled frame for every layer), or a reason string when
         one of *its own* static inputs has moved since capture (the graph is stale: re-capture it)."""
         for i, ptr in self.param_checks:
             if args[i].data_ptr() != ptr:
-                return self.moved(i) or _MISMATCH
+                return self.moved(i) or MISMATCH
         for i, ptr in self.borrow_checks:
             if args[i].data_ptr() != ptr:
-                return _MISMATCH
+                return MISMATCH
         for i, value in self.const_checks:
             arg = args[i]
             if isinstance(arg, torch.Tensor) or arg != value:
-                return _MISMATCH
+                return MISMATCH
         return None
 
     def moved(self, i: int) -> Optional[str]:
@@ -180,7 +227,8 @@ class _Graph:
             return f"static input {i} moved (parameter or buffer re-allocated)"
         return None
 
-    def replay(self, args: Sequence[Any], runtime: ModelRuntime, alias: bool) -> List[Any]:
+    def replay(self, args: Sequence[Any], runtime: Any, alias: bool) -> List[Any]:
+        """Run the graph for `args`; `runtime` (the ModelRuntime) is told of the replay (pool wave, summary)."""
         inputs = self.captured.static_inputs
         with torch.no_grad():
             for i in self.copies:
@@ -197,32 +245,67 @@ class _Graph:
                 outputs = [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
                 for out in outputs:
                     if isinstance(out, torch.Tensor):
-                        if self.family.kind != "backward":
+                        if self.kind != "backward":
                             out._cgcompile_graph = self  # lets the backward find its forward instance
                         self.handed.append(weakref.ref(out))
-        _count("replays")
+        count("replays")
+        self.replays += 1
         runtime.note_replay(self)
         return outputs
+
+
+# --- capture ------------------------------------------------------------------------------------------------
+
+
+def capture_instance(owner: Any, partition: str, label: str, kind: str, run: Callable[[list], Any], args: list,
+                     param_storages: frozenset, mutated: frozenset, runtime: Any, driver: Driver) -> GraphInstance:
+    """Capture `run` for `args` as a new instance and register it with `runtime` (the ModelRuntime): each
+    argument becomes a constant, a parameter read in place, a borrowed input or a copied-in owned buffer."""
+    lenders = runtime.lenders(args)
+    kinds: List[str] = []
+    inputs: List[Any] = []
+    for index, arg in enumerate(args):
+        if not isinstance(arg, torch.Tensor):
+            kinds.append(CONST)
+            inputs.append(arg)
+            continue
+        # Static and borrowed inputs are held as detached aliases: the graph needs their memory, not
+        # their autograd history (holding a caller's tensor would keep its whole autograd graph alive).
+        ptr = storage_ptr(arg)
+        if ptr and ptr in param_storages:
+            kinds.append(PARAM)
+            inputs.append(arg.detach())
+        elif ptr and runtime.owner(arg) is not None:
+            kinds.append(BORROWED)
+            inputs.append(arg.detach())
+        else:
+            kinds.append(OWNED)
+            inputs.append(static_buffer(arg, index))
+    # Capturing runs the graph once (emulate; CUDA's warmup): undo its writes to inputs, or the replay
+    # that produces this call's results would apply them a second time.
+    with torch.no_grad():
+        saved = {i: inputs[i].clone() for i in mutated if isinstance(inputs[i], torch.Tensor)}
+    pool, shared = runtime.pool()
+    start = time.perf_counter()
+    captured = driver.capture(run, inputs, pool)
+    seconds = time.perf_counter() - start
+    with torch.no_grad():
+        for i, value in saved.items():
+            inputs[i].copy_(value)
+    graph = GraphInstance(owner, partition, label, kind, captured, kinds, param_storages, seconds, mutated)
+    del inputs, captured, saved
+    runtime.register(graph, shared, lenders)
+    return graph
 
 
 # --- static input buffers, written inputs --------------------------------------------------------------------
 
 
-def _mutated_inputs(gm: fx.GraphModule) -> frozenset:
+def mutated_inputs(gm: fx.GraphModule) -> frozenset:
     """Positions of gm's inputs that an op in gm writes (per the op schemas' alias annotations)."""
     positions = {node: i for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    mutated = set()
-    for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-        if schema is None:
-            continue
-        for index, argument in enumerate(schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
-            if isinstance(value, fx.Node) and value in positions:
-                mutated.add(positions[value])
-    return frozenset(mutated)
+    return frozenset(positions[w] for node in gm.graph.nodes if node.op == "call_function"
+                     for w in written_args(node) if w in positions)
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:
@@ -235,7 +318,7 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
     return False
 
 
-def _static_buffer(t: torch.Tensor, index: int) -> torch.Tensor:
+def static_buffer(t: torch.Tensor, index: int) -> torch.Tensor:
     """A copy of t with t's exact layout, owned by a graph."""
     if _overlaps_itself(t):
         raise CaptureError(f"input {index} has self-overlapping memory (e.g. from expand) and cannot be "

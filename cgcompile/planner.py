@@ -1,8 +1,7 @@
-"""The partition plan: which node runs in which partition, captured or eager, and why.
+"""The planning rules: which node runs in which partition, captured or eager, and why (the plan: plan.py).
 
-`plan_graph` is a pure function of the FX graph and the normalized config; `split` turns a plan into
-submodules with torch.fx.passes.split_module (keep_original_order=True keeps unbacked symbols defined before
-their uses). Region rules (design.md §4):
+`plan_graph` is a pure function of the FX graph and the normalized config; split.py cuts the graph by the plan.
+Region rules:
 - with `cuda_graph_modules` set, only ops inside modules carrying a selected tag are captured; a selected region
   that contains an uncapturable op is left eager as a whole (the plan names the op), or raises with `strict`;
 - untagged, capture-safe glue next to a captured region of the same layer is absorbed, and adjacent captured
@@ -15,114 +14,19 @@ their uses). Region rules (design.md §4):
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.split_module import split_module
 
 from .config import CudaGraphConfig, CudaGraphImpl
 from .megatron_flags import unmatched_selection
 from .errors import ConfigError
 from .passes import Finding, RegionInfo, analyze, compute_nodes, module_regions, node_location
 from .passes.common import PADDED, counts_as_op, node_module_path, op_name
-from .passes.global_state import functorch_spans, grad_mode_after, is_state_node, state_effect
-
-CAPTURE, EAGER = "capture", "eager"
-LAYER_SCOPE, BLOCK_SCOPE = "layer", "block"
-OFF_SCOPE = "off"  # graphs of a kind the config does not capture (e.g. no-grad graphs with inference scope none)
-
-
-@dataclass
-class Partition:
-    """A contiguous run of nodes that is either captured as one graph or run eagerly."""
-
-    id: int
-    kind: str
-    tags: Tuple[str, ...]
-    module: Optional[str]
-    num_ops: int
-    reasons: Tuple[Finding, ...]
-    nodes: Tuple[str, ...] = field(repr=False)
-    # dynamic_padding applied to rows this partition works on: {"mode", "producers", "rows" (static bounds),
-    # "buckets" (buckets mode; [] = powers of two)}; None when nothing in it is padded
-    padding: Optional[dict] = None
-
-    @property
-    def tag(self) -> Optional[str]:
-        return self.tags[0] if self.tags else None
-
-    @property
-    def captured(self) -> bool:
-        return self.kind == CAPTURE
-
-    def to_json(self) -> dict:
-        return {"id": self.id, "kind": self.kind, "tag": self.tag, "tags": list(self.tags), "module": self.module,
-                "num_ops": self.num_ops, "reasons": [r.to_json() for r in self.reasons], "padding": self.padding}
-
-
-@dataclass
-class GraphPlan:
-    """The plan of one Dynamo graph. `findings` keeps every finding per node name for DEBUG logs."""
-
-    index: int
-    partitions: List[Partition]
-    scope: str
-    device: str
-    training: bool
-    findings: Dict[str, Tuple[Finding, ...]] = field(default_factory=dict, repr=False)
-    # capture_sizes: the batch symbol padded to the capture sizes ("s0"), and why padding is refused (a
-    # not_paddable Finding); both None when the option is off or the frame's batch is static.
-    batch_symbol: Optional[str] = None
-    batch_padding_refused: Optional[Finding] = None
-
-    @property
-    def node_to_partition(self) -> Dict[str, int]:
-        return {name: p.id for p in self.partitions for name in p.nodes}
-
-    @property
-    def captured(self) -> List[Partition]:
-        return [p for p in self.partitions if p.captured]
-
-    def to_json(self) -> dict:
-        return {"index": self.index, "scope": self.scope, "device": self.device, "training": self.training,
-                "partitions": [p.to_json() for p in self.partitions], "batch_symbol": self.batch_symbol,
-                "batch_padding_refused": (self.batch_padding_refused.to_json()
-                                          if self.batch_padding_refused else None)}
-
-
-@dataclass(frozen=True)
-class GraphBreak:
-    """A break Dynamo made itself (the code around it lands in separate graphs, the break runs in Python)."""
-
-    reason: str
-    location: Optional[str]
-
-    def to_json(self) -> dict:
-        return {"reason": self.reason, "location": self.location}
-
-
-@dataclass
-class Plan:
-    """Everything the backend decided for one compiled function: config, one GraphPlan per Dynamo graph,
-    and Dynamo's own graph breaks. `str(plan)` is the human table; `to_json()` the machine-readable form."""
-
-    config: CudaGraphConfig
-    graphs: List[GraphPlan] = field(default_factory=list)
-    graph_breaks: List[GraphBreak] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        from .diagnostics import format_plan
-        return format_plan(self)
-
-    def to_json(self) -> dict:
-        from .diagnostics import plan_to_json
-        return plan_to_json(self)
-
-    def to_html(self, path=None) -> str:
-        from .visual import plan_to_html
-        return plan_to_html(self, path)
+from .passes.global_state import functorch_spans, is_state_node, state_effect
+from .plan import BLOCK_SCOPE, CAPTURE, EAGER, LAYER_SCOPE, OFF_SCOPE, GraphPlan, Partition
 
 
 def layer_of(module: Optional[str]) -> Optional[str]:
@@ -466,73 +370,3 @@ def _te_restriction(nodes: List[fx.Node]) -> Optional[Finding]:
                                detail=f"transformer_engine graphs take and return tensors only; this partition "
                                       f"{verb} {value_node.name} = {value!r}")
     return None
-
-
-def hoist_scalar_input_reads(gm: fx.GraphModule) -> fx.GraphModule:
-    """Move the reads of Python-number inputs (passes/scalar_inputs.py) right after the placeholders, so they form
-    one eager run at the top instead of cutting captured regions apart. They depend on placeholders only, so the
-    move keeps the graph's meaning. Mutates and returns `gm`."""
-    from .passes.common import is_scalar_input_read
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if not placeholders:
-        return gm
-    anchor = placeholders[-1]
-    moved = False
-    for node in list(gm.graph.nodes):
-        if is_scalar_input_read(node):
-            anchor.append(node)
-            anchor = node
-            moved = True
-    if moved:
-        gm.recompile()
-    return gm
-
-
-def split(gm: fx.GraphModule, graph_plan: GraphPlan) -> fx.GraphModule:
-    """Cut the graph into one submodule per partition, named `submod_<partition id>`, each left in the grad mode
-    it was entered with (see close_grad_mode)."""
-    owner = graph_plan.node_to_partition
-    default = graph_plan.partitions[0].id if graph_plan.partitions else 0
-
-    def callback(node: fx.Node) -> int:
-        return owner.get(node.name, default)
-
-    split_gm = split_module(gm, None, callback, keep_original_order=True)
-    close_grad_mode(gm, split_gm, graph_plan.training)
-    return split_gm
-
-
-def close_grad_mode(gm: fx.GraphModule, split_gm: fx.GraphModule, entry: bool) -> None:
-    """Make every partition leave grad mode as it found it, so none can be traced, captured or replayed with a
-    no_grad block left open (aot would trace the rest of the caller under it). split_module already re-enters
-    the mode at the start of each later partition; here each submodule restores the frame's entry mode before
-    returning, and the frame ends in the mode the original graph ends in."""
-    for name, submod in split_gm.named_children():
-        if isinstance(submod, fx.GraphModule) and _restore_grad_mode(submod, entry):
-            submod.recompile()
-    final = grad_mode_after(gm, entry)[next(n for n in reversed(gm.graph.nodes) if n.op == "output")]
-    if _restore_grad_mode(split_gm, entry, final):
-        split_gm.recompile()
-
-
-def _restore_grad_mode(gm: fx.GraphModule, entry: bool, target: Optional[bool] = None) -> bool:
-    """Insert `_set_grad_enabled(target)` (default: `entry`) before gm's output where gm, entered with `entry`,
-    would end in another mode. True if it changed gm."""
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    target = entry if target is None else target
-    if grad_mode_after(gm, entry)[output] == target:
-        return False
-    with gm.graph.inserting_before(output):
-        gm.graph.call_function(torch._C._set_grad_enabled, (target,))
-    return True
-
-
-def replace_submodule(split_gm: fx.GraphModule, name: str, fn) -> None:
-    """Make the split graph call `fn` (a module or any callable) in place of its submodule `name`. A plain
-    callable is stored as a plain attribute: the generated forward calls `self.<name>(...)` directly, without
-    nn.Module.__call__'s hook dispatch on every call."""
-    delattr(split_gm, name)
-    if isinstance(fn, torch.nn.Module):
-        setattr(split_gm, name, fn)
-    else:
-        object.__setattr__(split_gm, name, fn)

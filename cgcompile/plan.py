@@ -1,0 +1,91 @@
+"""The partition plan as plain data: which node runs in which partition, captured or eager, and why.
+
+Written by planner.py, read by the split (split.py), the runtimes, and the renderers (diagnostics.py, visual.py),
+which import this module, never the reverse. `to_json()` gives each record as JSON-ready data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from .passes.batch_rows import BatchLayout
+from .passes.common import Finding
+
+CAPTURE, EAGER = "capture", "eager"
+LAYER_SCOPE, BLOCK_SCOPE = "layer", "block"
+OFF_SCOPE = "off"  # graphs of a kind the config does not capture (e.g. no-grad graphs with inference scope none)
+
+
+@dataclass
+class Partition:
+    """A contiguous run of nodes that is either captured as one graph or run eagerly."""
+
+    id: int
+    kind: str
+    tags: Tuple[str, ...]
+    module: Optional[str]
+    num_ops: int
+    reasons: Tuple[Finding, ...]
+    nodes: Tuple[str, ...] = field(repr=False)
+    # dynamic_padding applied to rows this partition works on: {"mode", "producers", "rows" (static bounds),
+    # "buckets" (buckets mode; [] = powers of two)}; None when nothing in it is padded
+    padding: Optional[dict] = None
+
+    @property
+    def tag(self) -> Optional[str]:
+        return self.tags[0] if self.tags else None
+
+    @property
+    def captured(self) -> bool:
+        return self.kind == CAPTURE
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "kind": self.kind, "tag": self.tag, "tags": list(self.tags), "module": self.module,
+                "num_ops": self.num_ops, "reasons": [r.to_json() for r in self.reasons], "padding": self.padding}
+
+
+@dataclass
+class GraphPlan:
+    """The plan of one Dynamo graph. `findings` keeps every finding per node name for DEBUG logs."""
+
+    index: int
+    partitions: List[Partition]
+    scope: str
+    device: str
+    training: bool
+    findings: Dict[str, Tuple[Finding, ...]] = field(default_factory=dict, repr=False)
+    # capture_sizes: the batch symbol padded to the capture sizes ("s0"), and why padding is refused (a
+    # not_paddable Finding); both None when the option is off or the frame's batch is static.
+    batch_symbol: Optional[str] = None
+    batch_padding_refused: Optional[Finding] = None
+    # where the batch sits at the frame's boundary, when capture_sizes pads it (passes/batch_rows.py)
+    batch_layout: Optional[BatchLayout] = None
+
+    @property
+    def node_to_partition(self) -> Dict[str, int]:
+        return {name: p.id for p in self.partitions for name in p.nodes}
+
+    @property
+    def captured(self) -> List[Partition]:
+        return [p for p in self.partitions if p.captured]
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "scope": self.scope, "device": self.device, "training": self.training,
+                "partitions": [p.to_json() for p in self.partitions], "batch_symbol": self.batch_symbol,
+                "batch_padding_refused": (self.batch_padding_refused.to_json()
+                                          if self.batch_padding_refused else None),
+                "batch_layout": self.batch_layout.to_json() if self.batch_layout else None}
+
+
+@dataclass(frozen=True)
+class GraphBreak:
+    """A break Dynamo made itself (the code around it lands in separate graphs, the break runs in Python)."""
+
+    reason: str
+    location: Optional[str]
+
+    def to_json(self) -> dict:
+        return {"reason": self.reason, "location": self.location}
+
+

@@ -1,0 +1,84 @@
+"""FX surgery on a planned graph: hoist scalar-input reads, cut the graph into one submodule per partition
+(torch.fx.passes.split_module; keep_original_order=True keeps unbacked symbols defined before their uses), and
+swap a submodule for its runtime wrapper."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+
+from .passes.common import is_scalar_input_read
+from .passes.global_state import grad_mode_after
+from .plan import GraphPlan
+
+
+def hoist_scalar_input_reads(gm: fx.GraphModule) -> fx.GraphModule:
+    """Move the reads of Python-number inputs (passes/scalar_inputs.py) right after the placeholders, so they form
+    one eager run at the top instead of cutting captured regions apart. They depend on placeholders only, so the
+    move keeps the graph's meaning. Mutates and returns `gm`."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not placeholders:
+        return gm
+    anchor = placeholders[-1]
+    moved = False
+    for node in list(gm.graph.nodes):
+        if is_scalar_input_read(node):
+            anchor.append(node)
+            anchor = node
+            moved = True
+    if moved:
+        gm.recompile()
+    return gm
+
+
+def split(gm: fx.GraphModule, graph_plan: GraphPlan) -> fx.GraphModule:
+    """Cut the graph into one submodule per partition, named `submod_<partition id>`, each left in the grad mode
+    it was entered with (see close_grad_mode)."""
+    owner = graph_plan.node_to_partition
+    default = graph_plan.partitions[0].id if graph_plan.partitions else 0
+
+    def callback(node: fx.Node) -> int:
+        return owner.get(node.name, default)
+
+    split_gm = split_module(gm, None, callback, keep_original_order=True)
+    close_grad_mode(gm, split_gm, graph_plan.training)
+    return split_gm
+
+
+def close_grad_mode(gm: fx.GraphModule, split_gm: fx.GraphModule, entry: bool) -> None:
+    """Make every partition leave grad mode as it found it, so none can be traced, captured or replayed with a
+    no_grad block left open (aot would trace the rest of the caller under it). split_module already re-enters
+    the mode at the start of each later partition; here each submodule restores the frame's entry mode before
+    returning, and the frame ends in the mode the original graph ends in."""
+    for name, submod in split_gm.named_children():
+        if isinstance(submod, fx.GraphModule) and _restore_grad_mode(submod, entry):
+            submod.recompile()
+    final = grad_mode_after(gm, entry)[next(n for n in reversed(gm.graph.nodes) if n.op == "output")]
+    if _restore_grad_mode(split_gm, entry, final):
+        split_gm.recompile()
+
+
+def _restore_grad_mode(gm: fx.GraphModule, entry: bool, target: Optional[bool] = None) -> bool:
+    """Insert `_set_grad_enabled(target)` (default: `entry`) before gm's output where gm, entered with `entry`,
+    would end in another mode. True if it changed gm."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    target = entry if target is None else target
+    if grad_mode_after(gm, entry)[output] == target:
+        return False
+    with gm.graph.inserting_before(output):
+        gm.graph.call_function(torch._C._set_grad_enabled, (target,))
+    return True
+
+
+def replace_submodule(split_gm: fx.GraphModule, name: str, fn) -> None:
+    """Make the split graph call `fn` (a module or any callable) in place of its submodule `name`. A plain
+    callable is stored as a plain attribute: the generated forward calls `self.<name>(...)` directly, without
+    nn.Module.__call__'s hook dispatch on every call."""
+    delattr(split_gm, name)
+    if isinstance(fn, torch.nn.Module):
+        setattr(split_gm, name, fn)
+    else:
+        object.__setattr__(split_gm, name, fn)
