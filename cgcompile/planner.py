@@ -13,6 +13,8 @@ Region rules:
 
 from __future__ import annotations
 
+import dataclasses
+
 import difflib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
@@ -125,7 +127,7 @@ def plan_graph(gm: fx.GraphModule, config: CudaGraphConfig, index: int = 0, *, t
             blocking[node] = findings[node][0]
     _keep_functorch_levels_whole(gm, regions, blocking)
 
-    if config.cuda_graph_impl == CudaGraphImpl.NONE or scope == OFF_SCOPE:
+    if scope == OFF_SCOPE:
         runs = [_Run(EAGER, None, None, nodes)] if nodes else []
     elif selected:
         runs = _selected_runs(nodes, regions, blocking, selected, config)
@@ -134,6 +136,8 @@ def plan_graph(gm: fx.GraphModule, config: CudaGraphConfig, index: int = 0, *, t
                           min_ops=config.min_partition_ops)
 
     partitions = _place_state_nodes(gm, _finish(runs, regions, blocking, selected, config, scope))
+    if config.cuda_graph_impl == CudaGraphImpl.NONE:
+        partitions = [_disabled(p) for p in partitions]
     all_findings = {n.name: tuple(findings.get(n, ())) for n in nodes if n in findings}
     return GraphPlan(index, partitions, scope, device, training, all_findings)
 
@@ -315,10 +319,7 @@ def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> Lis
                     reasons.setdefault((f.category, f.op, f.location), f)
             if not reasons:
                 node = next((n for n in run.nodes if counts_as_op(n)), run.nodes[0])
-                if config.cuda_graph_impl == CudaGraphImpl.NONE:
-                    f = Finding("disabled", "-", None, None, hint="set cuda_graph_impl to 'local' to capture",
-                                detail="cuda_graph_impl is 'none'")
-                elif scope == OFF_SCOPE:
+                if scope == OFF_SCOPE:
                     f = Finding("disabled", "-", None, None,
                                 hint="use cuda_graph_impl='local' with inference_cuda_graph_scope 'layer' or 'block'",
                                 detail=f"no-grad graphs are not captured with inference_cuda_graph_scope="
@@ -335,6 +336,16 @@ def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> Lis
                                     num_ops, tuple(reasons.values()), tuple(n.name for n in run.nodes),
                                     _padding_summary(run.nodes)))
     return partitions
+
+
+def _disabled(partition: Partition) -> Partition:
+    """With cuda_graph_impl 'none' nothing runs captured, but the plan keeps the partitions 'local' would
+    capture, each eager with the reason, so the user sees what enabling capture would do."""
+    if not partition.captured:
+        return partition
+    reason = Finding("disabled", "-", None, partition.module, hint="set cuda_graph_impl to 'local' to capture",
+                     detail="would be captured; cuda_graph_impl is 'none'")
+    return dataclasses.replace(partition, kind=EAGER, reasons=(reason,))
 
 
 def _padding_summary(nodes: Sequence[fx.Node]) -> Optional[dict]:

@@ -178,10 +178,19 @@ def test_selected_name_absent_from_the_graph_raises_with_did_you_mean():
     assert "'fedforward' (did you mean 'feedforward'?)" in msg and "tags present: attn, feedforward, mlp" in msg
 
 
-def test_impl_none_plans_everything_eager():
-    (graph,) = plan(Net(), {"cuda_graph_impl": "none"}).graphs
-    assert [p.kind for p in graph.partitions] == ["eager"]
-    assert graph.partitions[0].reasons[0].category == "disabled"
+def test_impl_none_plans_everything_eager_and_shows_what_local_would_capture():
+    (graph,) = plan(Net(), {"cuda_graph_impl": "none", "cuda_graph_modules": ["attn"]}).graphs
+    (local,) = plan(Net(), {"cuda_graph_impl": "local", "cuda_graph_modules": ["attn"]}).graphs
+    assert [p.kind for p in graph.partitions] == ["eager"] * len(local.partitions)
+    assert [p.nodes for p in graph.partitions] == [p.nodes for p in local.partitions]
+    for mine, theirs in zip(graph.partitions, local.partitions):
+        if theirs.captured:
+            assert [(r.category, r.detail) for r in mine.reasons] == [
+                ("disabled", "would be captured; cuda_graph_impl is 'none'")]
+            assert mine.module == theirs.module
+        else:
+            assert mine.reasons == theirs.reasons
+    assert any(p.captured for p in local.partitions) and not all(p.captured for p in local.partitions)
 
 
 def test_no_grad_graph_is_not_captured_without_inference_scope():
