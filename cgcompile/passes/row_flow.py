@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
-from .common import Finding, example_value, finding, unbacked_symbols
+from .common import Finding, example_value, finding, op_name, unbacked_symbols
 
 __all__ = ["RowFlow", "Sink", "row_flow", "op_key"]
 
@@ -168,8 +168,10 @@ class _Walker:
             if self.flow.blocker is not None:
                 break
             if node.op == "output":
-                if any(self.carries.get(a) for a in node.all_input_nodes):
-                    self.block(node, f"the compiled frame returns a tensor sized by {self.sym}",
+                returned = next((a for a in node.all_input_nodes if self.carries.get(a)), None)
+                if returned is not None:  # named by the op that made the returned tensor, at its line
+                    self.block(returned, f"the compiled frame returns {op_name(returned)}'s result, sized by "
+                                         f"{self.sym}",
                                "reduce the rows inside the compiled code (e.g. index_add into a fixed-size tensor)")
                 continue
             value = example_value(node)

@@ -51,6 +51,8 @@ def test_every_island_names_its_reason_and_hf_line(trained):
     assert all(r.location and HF_LOCATION.search(r.location) for r in islands), (family, islands)
     kinds = {(r.category, r.op, r.location.rsplit(":", 1)[0].split("site-packages/")[-1]) for r in islands}
     assert kinds == ({FALLBACK} if family in MOE_FAMILIES else set()), family
+    table = str(cgcompile.Plan(cgcompile.CudaGraphConfig.from_options(OPTIONS), list(plans)))
+    assert " at ?" not in table and "?:" not in table, table
     layers = {m.group(0) for plan in plans for p in plan.captured if (m := DECODER_LAYER.match(p.module or ""))}
     assert len(layers) == 2, (family, layers)  # both decoder layers hold captured work
 
