@@ -49,6 +49,7 @@ import torch.fx as fx
 from .. import _compat
 from ..counters import add as _count
 from .driver import CaptureError, CapturedGraph
+from .layout import copy_into, same_repeats, static_copy, uncopyable_reason
 
 if TYPE_CHECKING:
     from .local import _Family
@@ -93,6 +94,8 @@ class _Graph:
         self.borrow_checks = [(i, inputs[i].data_ptr()) for i, k in enumerate(kinds) if k is _BORROWED]
         self.const_checks = [(i, inputs[i]) for i, k in enumerate(kinds) if k is _CONST]
         self.copies = [i for i, k in enumerate(kinds) if k is _OWNED]
+        # an expanded buffer takes only arguments that repeat along the same dimensions
+        self.repeat_checks = [(i, inputs[i]) for i in self.copies if 0 in inputs[i].stride()]
         self.copy_back: List[int] = []  # copied-in inputs the graph writes: the caller's tensor gets the result
         self.owned: Dict[int, List[int]] = {}  # storage ptr -> [storage handle, use count when idle]
         self.borrowed_from: List[Tuple[_Graph, int, int]] = []  # (lender, storage ptr, references we keep)
@@ -169,6 +172,9 @@ class _Graph:
             arg = args[i]
             if isinstance(arg, torch.Tensor) or arg != value:
                 return _MISMATCH
+        for i, buf in self.repeat_checks:
+            if not same_repeats(buf, args[i]):
+                return _MISMATCH
         return None
 
     def moved(self, i: int) -> Optional[str]:
@@ -186,7 +192,7 @@ class _Graph:
             for i in self.copies:
                 arg, buf = args[i], inputs[i]
                 if arg.data_ptr() != buf.data_ptr():
-                    buf.copy_(arg)
+                    copy_into(buf, arg)
             self.free = False
             outputs = list(self.captured.replay())
             for i in self.copy_back:
@@ -225,22 +231,10 @@ def _mutated_inputs(gm: fx.GraphModule) -> frozenset:
     return frozenset(mutated)
 
 
-def _overlaps_itself(t: torch.Tensor) -> bool:
-    """Could two elements of t share memory (e.g. after expand)? Conservative: False means surely not."""
-    span = 0
-    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
-        if stride <= span:
-            return True
-        span += stride * (size - 1)
-    return False
-
-
-def _static_buffer(t: torch.Tensor, index: int) -> torch.Tensor:
-    """A copy of t with t's exact layout, owned by a graph."""
-    if _overlaps_itself(t):
-        raise CaptureError(f"input {index} has self-overlapping memory (e.g. from expand) and cannot be "
-                           f"copied into a static buffer")
+def _static_buffer(t: torch.Tensor, index: int, name: Optional[str] = None) -> torch.Tensor:
+    """A copy of t with t's exact layout (expanded, strided, offset or empty), owned by a graph."""
+    reason = uncopyable_reason(t)
+    if reason is not None:
+        raise CaptureError(f"input {name or index} cannot be copied into a static buffer: {reason}")
     with torch.no_grad():
-        buf = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-        buf.copy_(t)
-    return buf
+        return static_copy(t)
