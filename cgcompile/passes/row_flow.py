@@ -306,6 +306,14 @@ class _Walker:
                 else None
         if base == "scaled_dot_product_attention":
             return self._attention(node, name)
+        if base == "dropout":  # identity when off; otherwise padded rows would draw random numbers too
+            off = _arg(node, 1, "p", 0.5) == 0 or _arg(node, 2, "training", True) is False
+            return None if off else f"{name} draws random numbers for the padded rows as well"
+        if base == "arange":  # row i is start + i * step: its own index, whatever the row count
+            ends_only = node.args[-1:] if len(node.args) <= 2 else node.args[1:2]
+            fed = [a for a in list(node.args) + list(node.kwargs.values()) if isinstance(a, fx.Node)
+                   and self.sym in _symbols(example_value(a))]
+            return None if all(a in ends_only for a in fed) else f"{name}'s start or step depends on {self.sym}"
         if base == "index_copy":
             return self._index_copy(node, name)
         if base in _DIM_OPS:
@@ -338,6 +346,9 @@ class _Walker:
         if not isinstance(src, fx.Node):
             return False
         before, after = self.dims_of(src), self.flow.dims.get(node, ())
+        if not before and len(after) == 1:  # one row (size 1, or a new leading dim) copied to every row
+            src_value, offset = example_value(src), example_value(node).dim() - example_value(src).dim()
+            return after[0] < offset or src_value.shape[after[0] - offset] == 1
         return (len(before) == len(after) == 1
                 and example_value(src).dim() - before[0] == example_value(node).dim() - after[0])
 
