@@ -7,13 +7,14 @@ Public API only; see README.md. The backend itself is registered as "cudagraph_m
 from .config import CudaGraphConfig, CudaGraphImpl, CudaGraphModule, CudaGraphScope, InferenceCudaGraphScope
 from .errors import ConfigError
 from .explain import Plan, explain
+from .hf import HF_FAMILIES, tag_hf
 from .runtime.release import release
 from .runtime.whole_step import capture_step
 from .tagging import eager_region, tag, tag_modules, tag_of, untag
 from .counters import reset_stats, stats
 
 __all__ = [
-    "ConfigError", "CudaGraphConfig", "Plan", "explain", "CudaGraphImpl", "CudaGraphModule", "CudaGraphScope",
+    "ConfigError", "CudaGraphConfig", "HF_FAMILIES", "Plan", "explain", "CudaGraphImpl", "CudaGraphModule", "CudaGraphScope",
     "InferenceCudaGraphScope", "capture_step", "eager_region", "release", "reset_stats", "stats", "tag",
-    "tag_modules", "tag_of", "untag",
+    "tag_hf", "tag_modules", "tag_of", "untag",
 ]

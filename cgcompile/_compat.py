@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 __all__ = ["TorchDispatchMode", "aot_compile", "boxed", "cuda_end_allocate_to_pool", "cuda_release_pool",
-           "functorch_level", "pop_functorch_level", "resolve_overload", "storage_key", "storage_use_count",
+           "dynamo_frame", "functorch_level", "pop_functorch_level", "resolve_overload", "storage_key", "storage_use_count",
            "tree_flatten", "tree_unflatten"]
 
 # torch.utils._pytree: the pytree helpers torch.compile itself uses; private module, stable API; checked 2.11, 2.13.
@@ -156,3 +156,21 @@ def resolve_overload(packet: Any, args: Sequence[Any], kwargs: dict) -> Any:
     except Exception:
         return None
     return getattr(packet, name or "default", None)
+
+
+def dynamo_frame() -> tuple:
+    """(code, locals) of the frame Dynamo is compiling now (called from a backend), or (None, {}) outside one,
+    and whether that frame is a resume function Dynamo made after a graph break.
+
+    torch._dynamo.symbolic_convert.InstructionTranslator.current_tx(): private, the same call torch's own
+    torch/_dynamo/testing.py backends make; resume functions are named "torch_dynamo_resume_in_<fn>_at_<line>"
+    (torch/_dynamo/resume_execution.py). Checked 2.11, 2.13.
+    """
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+    except (ImportError, AttributeError):
+        return None, {}, False
+    code, f_locals = getattr(tx, "f_code", None), getattr(tx, "f_locals", None)
+    resume = code is not None and code.co_name.startswith("torch_dynamo_resume_in_")
+    return code, (f_locals if isinstance(f_locals, dict) else {}), resume

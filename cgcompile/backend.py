@@ -18,6 +18,7 @@ import torch.fx as fx
 from .config import CudaGraphConfig, CudaGraphImpl, InferenceCudaGraphScope
 from .diagnostics import full_iteration_error, log_graph_plan
 from .errors import ConfigError
+from .frame_root import anchor_module_stacks, frame_root
 from .logs import register_with_torch_logs
 from .padding import pad_dynamic_rows
 from .passes import is_static_placeholder, node_location
@@ -108,7 +109,11 @@ def cudagraph_modules(gm: fx.GraphModule, example_inputs: List[Any], options: Op
     if unused:
         raise ConfigError(f"unexpected backend arguments {sorted(unused)}; pass settings as options={{...}}")
     config = CudaGraphConfig.from_options(options)
-    graph_plan = make_plan(gm, example_inputs, config, next(_graph_counter))
+    root = frame_root()
+    anchor_module_stacks(gm, root)  # a frame after a graph break inside a module starts at that module
+    # a submodule's frame is a fragment of the model (Dynamo broke around it): it may hold none of the
+    # selected tags (a decoder layer's attention half when "moe" is selected), so only whole frames are checked
+    graph_plan = make_plan(gm, example_inputs, config, next(_graph_counter), validate_tags=root is None)
     for listener in getattr(_listeners, "stack", ()):
         listener.graphs.append(graph_plan)
     log_graph_plan(graph_plan, config)

@@ -108,6 +108,8 @@ def format_plan(plan) -> str:
         for brk in plan.graph_breaks:
             reason = brk.reason.strip().splitlines()[0] if brk.reason.strip() else "?"
             lines.append(f"  {short_location(brk.location)}: {reason}")
+            if brk.hint:
+                lines.append(f"    fix: {brk.hint}")
     if not plan.graphs and not plan.graph_breaks:
         lines.append("no graphs were compiled")
     return "\n".join(lines)

@@ -50,6 +50,20 @@ def _break_location(reason: Any) -> Optional[str]:
     return f"{frame.filename}:{frame.lineno}"
 
 
+_DATA_DEPENDENT_BREAK_HINT = (
+    "the code after this data-dependent size, such as transformers 5's eager experts loop `for expert_idx in "
+    "expert_hit`, runs in Python, so dynamic_padding cannot pad it: loop over a fixed range (`for e in "
+    "range(num_experts): idx, top = torch.where(mask[e])`) with torch._dynamo.config."
+    "capture_dynamic_output_shape_ops=True and dynamic_padding='max' or 'buckets', or for transformers models "
+    "use experts_implementation='grouped_mm' (the default), which traces without a break")
+
+
+def _break_hint(reason: str) -> Optional[str]:
+    """The fix for a Dynamo break cgcompile knows how to remove."""
+    data_dependent = ("Dynamic shape operator", "data-dependent", "Data-dependent", "unbacked")
+    return _DATA_DEPENDENT_BREAK_HINT if any(word in reason for word in data_dependent) else None
+
+
 def _run_dynamo_explain(fn, args, kwargs):
     """torch._dynamo.explain (documented in torch.compiler troubleshooting; checked on torch 2.11 and 2.13).
 
@@ -75,7 +89,8 @@ def explain(model_or_fn, *args: Any, options: Optional[dict] = None, **kwargs: A
         check_selected_tags(config, list(present))
     seen = set()
     for reason in output.break_reasons:
-        brk = GraphBreak(str(getattr(reason, "reason", reason)), _break_location(reason))
+        text = str(getattr(reason, "reason", reason))
+        brk = GraphBreak(text, _break_location(reason), _break_hint(text))
         if brk not in seen:
             seen.add(brk)
             plan.graph_breaks.append(brk)

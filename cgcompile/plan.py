@@ -84,8 +84,9 @@ class GraphBreak:
 
     reason: str
     location: Optional[str]
+    hint: Optional[str] = None  # the fix, where cgcompile knows one
 
     def to_json(self) -> dict:
-        return {"reason": self.reason, "location": self.location}
+        return {"reason": self.reason, "location": self.location, "hint": self.hint}
 
 

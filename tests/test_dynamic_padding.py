@@ -276,6 +276,17 @@ def _flow(fn, *inputs):
     return row_flow(gm, sym, allow_sinks=True)
 
 
+def test_a_frame_output_carrying_selected_rows_is_named_by_its_producer_and_line():
+    def fn(x):
+        rows = torch.nonzero(x[:, 0] > 0).squeeze(-1)
+        return x[rows] * 2  # RETURNED
+
+    flow = _flow(fn, torch.randn(6, 3))
+    line = fn.__code__.co_firstlineno + 2
+    assert flow.blocker.op == "operator.mul" and flow.blocker.location.endswith(f"test_dynamic_padding.py:{line}")
+    assert "returns operator.mul's result" in flow.blocker.detail, flow.blocker
+
+
 @pytest.mark.parametrize("body, blocker", [
     (lambda x, rows: torch.zeros_like(x).index_add_(0, rows, F.silu(x[rows] @ x.T @ x)), None),
     (lambda x, rows: x[rows].sum(0), None),

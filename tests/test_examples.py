@@ -85,3 +85,21 @@ def test_demo_prints_the_plan_and_trains_like_eager(args, captured):
         assert graphs > 0 and re.search(r"capture\s+moe\s+layers\.0\s+\d+\s+padded buckets: 4 producers", out)
     else:
         assert graphs == 0 and "--dynamic-padding buckets" in out
+
+
+def test_hf_moe_train_matches_eager_and_captures():
+    pytest.importorskip("transformers")
+    out = run_example("hf_moe_train.py", "--steps", "4", "--bf16")
+    assert re.findall(r"^step \d: .* equal (\w+)$", out, re.M) == ["True"] * 4, out
+    assert re.search(r"^\s*\d+\s+capture\s+attn\+moe\S*\s+model\.layers\.1\s", out, re.M), out  # a whole layer
+    captured = re.search(r"graphs captured (\d+), replays (\d+), eager fallbacks (\d+)", out)
+    assert int(captured[1]) > 0 and int(captured[2]) > 0 and captured[3] == "0", out
+
+
+@pytest.mark.parametrize("argv", [(), ("--capture-sizes", "1,2,4", "--batch", "3")])
+def test_hf_generate_static_cache_decode_equals_eager(argv):
+    pytest.importorskip("transformers")
+    out = run_example("hf_generate.py", *argv)
+    assert "greedy tokens identical to eager: True" in out, out
+    captured = re.search(r"graphs captured (\d+), replays (\d+), eager fallbacks (\d+)", out)
+    assert int(captured[1]) > 0 and int(captured[2]) > 0 and captured[3] == "0", out

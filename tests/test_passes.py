@@ -67,6 +67,19 @@ def test_cpu_copy_and_to_cpu_are_host_syncs():
     assert lines == {line_of(fn, "# CPU"), line_of(fn, "# TO")}
 
 
+def test_moves_between_equal_devices_are_not_host_syncs():
+    """`.to(x.device)` (RoPE's inv_freq in every HF family) is a no-op on a CPU model as on a GPU model; the plan
+    on the CPU is the plan a GPU gets. `.cpu()` and `.to("cpu")` mean "to the host" and stay syncs."""
+    def fn(x, freq):
+        a = freq.to(x.device)  # SAME
+        b = x.to(device=x.device, dtype=torch.float64)  # SAME_KW
+        c = x.cpu()  # CPU
+        return a * 2, b + 1, c + 1
+
+    found = findings_of(fn, torch.randn(4), torch.randn(4))
+    assert {line for cat, _, line, _ in found if cat == "host_sync"} == {line_of(fn, "# CPU")}
+
+
 def test_data_dependent_output_ops_are_host_syncs():
     # Dynamo breaks the graph at torch.equal (a Python bool); graphs from other tracers can still hold it
     def fn(x):

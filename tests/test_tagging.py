@@ -130,3 +130,53 @@ def test_eager_region_is_never_captured():
 def test_tagging_rejects_non_modules():
     with pytest.raises(TypeError):
         cgcompile.tag("attn")(object())
+
+
+class BreakingBlock(nn.Module):
+    """A module whose forward has a Dynamo graph break in the middle (transformers 5's eager experts loop)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        torch._dynamo.graph_break()
+        return self.down(h) * 2
+
+
+class Host(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.layers = nn.ModuleList([BreakingBlock()])
+
+    def forward(self, x):
+        return self.layers[0](self.pre(x)).sum()
+
+
+def test_tags_and_module_paths_survive_a_graph_break_inside_a_tagged_module():
+    """The frames Dynamo compiles after the break (the rest of the method as a resume function, its module
+    calls) start at the tagged module: their partitions carry its tag and its path in the model, and the
+    selected tag is found (before: "no module in the graph carries that tag")."""
+    model = Host()
+    cgcompile.tag("blk")(model.layers[0])
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="cudagraph_modules",
+                             options={"driver": "emulate", "cuda_graph_modules": ["blk"], "min_partition_ops": 1})
+    cgcompile.reset_stats()
+    with record_plans() as rec:
+        for step in range(5):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+            loss, ref = compiled(x), reference(x)
+            loss.backward()
+            ref.backward()
+            torch.testing.assert_close(loss, ref, rtol=0, atol=0)
+    (before, _), (after, _) = [(p, plan) for plan in rec.graphs for p in plan.partitions if "mul" in p.nodes
+                               or "h" in p.nodes]
+    for part in (before, after):  # the resume function's graph holds `self.down(h) * 2`
+        assert (part.kind, part.tags, part.module) == ("capture", ("blk",), "layers.0")
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    st = cgcompile.stats()
+    assert st["graphs_captured"] >= 2 and st["replays"] > 0 and st["eager_fallbacks"] == []

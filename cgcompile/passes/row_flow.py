@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
-from .common import Finding, example_value, finding, op_key, sym_expr, unbacked_symbols
+from .common import Finding, example_value, finding, op_key, op_name, sym_expr, unbacked_symbols
 
 __all__ = ["RowFlow", "Sink", "row_flow"]
 
@@ -157,8 +157,10 @@ class _Walker:
             if self.flow.blocker is not None:
                 break
             if node.op == "output":
-                if any(self.carries.get(a) for a in node.all_input_nodes):
-                    self.block(node, f"the compiled frame returns a tensor sized by {self.sym}",
+                returned = next((a for a in node.all_input_nodes if self.carries.get(a)), None)
+                if returned is not None:  # named by the op that made the returned tensor, at its line
+                    self.block(returned, f"the compiled frame returns {op_name(returned)}'s result, sized by "
+                                         f"{self.sym}",
                                "reduce the rows inside the compiled code (e.g. index_add into a fixed-size tensor)")
                 continue
             value = example_value(node)
@@ -293,6 +295,14 @@ class _Walker:
                 else None
         if base == "scaled_dot_product_attention":
             return self._attention(node, name)
+        if base == "dropout":  # identity when off; otherwise padded rows would draw random numbers too
+            off = _arg(node, 1, "p", 0.5) == 0 or _arg(node, 2, "training", True) is False
+            return None if off else f"{name} draws random numbers for the padded rows as well"
+        if base == "arange":  # row i is start + i * step: its own index, whatever the row count
+            ends_only = node.args[-1:] if len(node.args) <= 2 else node.args[1:2]
+            fed = [a for a in list(node.args) + list(node.kwargs.values()) if isinstance(a, fx.Node)
+                   and self.sym in _symbols(example_value(a))]
+            return None if all(a in ends_only for a in fed) else f"{name}'s start or step depends on {self.sym}"
         if base == "index_copy":
             return self._index_copy(node, name)
         if base in _DIM_OPS:
@@ -325,6 +335,9 @@ class _Walker:
         if not isinstance(src, fx.Node):
             return False
         before, after = self.dims_of(src), self.flow.dims.get(node, ())
+        if not before and len(after) == 1:  # one row (size 1, or a new leading dim) copied to every row
+            src_value, offset = example_value(src), example_value(node).dim() - example_value(src).dim()
+            return after[0] < offset or src_value.shape[after[0] - offset] == 1
         return (len(before) == len(after) == 1
                 and example_value(src).dim() - before[0] == example_value(node).dim() - after[0])
 

@@ -22,20 +22,54 @@ _SCALAR_METHODS = {
 }
 _CPU_COPY_HINT = _SCALAR_METHODS["cpu"]
 
+# Library custom ops whose kernel reads a device value on the host. Their schema cannot say so (an opaque
+# op), yet a CUDA capture fails on them, so the plan must keep them eager: op name -> (detail, hint).
+_SYNCING_LIBRARY_OPS = {
+    "transformers::grouped_mm_fallback": (
+        "transformers' grouped-mm fallback (fp32 or fp16 weights under torch.compile) reads the expert "
+        "offsets with offs.tolist()",
+        "train with bfloat16 weights (transformers then calls torch._grouped_mm, no host read) or "
+        "experts_implementation='batched_mm'"),
+}
 
-def _is_cpu_device(value) -> bool:
-    if isinstance(value, str):
-        return value.split(":")[0] == "cpu"
-    return isinstance(value, torch.device) and value.type == "cpu"
+
+def _device_of(node) -> "torch.device | None":
+    value = example_value(node) if isinstance(node, fx.Node) else None
+    return value.device if isinstance(value, torch.Tensor) else None
+
+
+def _moves_to_host(node: fx.Node, destination) -> bool:
+    """Whether a move to `destination` copies device memory to the host on the GPU the plan stands for.
+
+    A string ("cpu") or `.cpu()` says "to the host" whatever device the model is on: a sync on a GPU. A
+    torch.device object is what `x.device` or a device variable becomes in the graph, so it is compared with
+    the tensor's own device: equal devices make the move a no-op, on the CPU as on a GPU (`inv_freq.to(x.device)`
+    in RoPE). A literal torch.device("cpu") on a CPU model is therefore taken for a no-op too; on a GPU model,
+    where it is a real move, it is found.
+    """
+    if isinstance(destination, str):
+        return destination.split(":")[0] == "cpu"
+    if not isinstance(destination, torch.device) or destination.type != "cpu":
+        return False
+    source = _device_of(node.args[0]) if node.args else None
+    return source is None or source != destination
 
 
 def _copies_to_cpu(node: fx.Node) -> bool:
-    """`.to("cpu")`, `.to(device="cpu")`, `.to(torch.device("cpu"))`."""
+    """`.to("cpu")`, `.to(device="cpu")`, `.to(torch.device("cpu"))` from a tensor on another device.
+    Dtype-only `.to(dtype)` and moves between equal devices are no-ops, not syncs."""
     is_to = (node.op == "call_method" and node.target == "to") or node.target is torch.Tensor.to
     if not is_to:
         return False
     candidates = list(node.args[1:]) + [node.kwargs.get("device")]
-    return any(_is_cpu_device(v) for v in candidates)
+    return any(_moves_to_host(node, v) for v in candidates)
+
+
+def _library_op_name(node: fx.Node) -> "str | None":
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = target.default
+    return target.name() if isinstance(target, torch._ops.OpOverload) else None
 
 
 def _produces_unbacked_scalar(node: fx.Node) -> bool:
@@ -72,6 +106,9 @@ def find_host_syncs(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
         elif node.target in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
             found[node] = [finding(node, "host_sync", hint=_SCALAR_METHODS["item"],
                                    detail="reads a device scalar on the host")]
+        elif _library_op_name(node) in _SYNCING_LIBRARY_OPS:
+            detail, hint = _SYNCING_LIBRARY_OPS[_library_op_name(node)]
+            found[node] = [finding(node, "host_sync", hint=hint, detail=detail)]
         elif _copies_to_cpu(node):
             found[node] = [finding(node, "host_sync", hint=_CPU_COPY_HINT, detail="copies a tensor to the CPU")]
         elif has_tag(node, torch.Tag.data_dependent_output):

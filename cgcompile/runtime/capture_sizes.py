@@ -74,7 +74,12 @@ class BatchBuckets:
             padded[index] = _pad(args[index], dims, batch, target)
         for index in self.size_inputs:
             padded[index] = target
+        versions = {index: padded[index]._version for index, _ in self.pad_inputs}
         outputs = self.run(*padded)
+        with torch.no_grad():  # an input the frame wrote (a KV cache sized by the batch): its real rows go back
+            for index, dims in self.pad_inputs:
+                if padded[index]._version != versions[index]:
+                    args[index].copy_(_real_rows(padded[index], dims, batch))
         return self._slice(outputs, batch)
 
     def _slice(self, outputs: Any, batch: int) -> Any:
@@ -91,6 +96,12 @@ class BatchBuckets:
         if single:
             return items[0]
         return type(outputs)(items) if type(outputs) in (list, tuple) else type(outputs)(*items)
+
+
+def _real_rows(t: torch.Tensor, dims: Sequence[int], batch: int) -> torch.Tensor:
+    for dim in dims:
+        t = t.narrow(dim, 0, batch)
+    return t
 
 
 def _pad(t: torch.Tensor, dims: Sequence[int], batch: int, target: int) -> torch.Tensor:

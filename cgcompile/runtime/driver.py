@@ -24,6 +24,7 @@ from .. import _compat
 from ..passes.common import schema_writes
 from .global_state import preserved_global_state
 from .host_sync import host_sync_reason
+from .layout import broadcast_core, copy_into
 
 __all__ = ["CaptureError", "CapturedGraph", "CudaDriver", "Driver", "EagerDriver", "EmulateDriver",
            "get_driver", "is_capturing", "release_cuda_graphs"]
@@ -181,6 +182,7 @@ def _poison(outputs: Sequence[Any], inputs: Sequence[Any]) -> None:
         for out in outputs:
             if not isinstance(out, torch.Tensor) or out.untyped_storage().data_ptr() in input_storages:
                 continue
+            out = broadcast_core(out)  # an expanded output: each element once
             if out.is_floating_point() or out.is_complex():
                 out.fill_(float("nan"))
             elif out.dtype == torch.bool:
@@ -208,7 +210,7 @@ class EmulatedGraph(CapturedGraph):
                 if (new.data_ptr() == static.data_ptr() and new.shape == static.shape
                         and new.stride() == static.stride()):
                     continue  # the output aliases an input buffer: already in place, as on a GPU
-                static.copy_(new)
+                copy_into(static, new)  # an expanded output: its core, as the GPU kernel wrote it
         return self.static_outputs
 
 

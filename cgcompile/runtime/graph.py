@@ -50,6 +50,7 @@ from .. import _compat
 from ..counters import add as count
 from ..passes.common import written_args
 from .driver import CaptureError, CapturedGraph, Driver
+from .layout import copy_into, same_repeats, static_copy, uncopyable_reason
 
 log = logging.getLogger("cgcompile")
 
@@ -99,6 +100,8 @@ class GraphInstance:
         self.borrow_checks = [(i, inputs[i].data_ptr()) for i, k in enumerate(kinds) if k is BORROWED]
         self.const_checks = [(i, inputs[i]) for i, k in enumerate(kinds) if k is CONST]
         self.copies = [i for i, k in enumerate(kinds) if k is OWNED]
+        # an expanded buffer takes only arguments that repeat along the same dimensions
+        self.repeat_checks = [(i, inputs[i]) for i in self.copies if 0 in inputs[i].stride()]
         # copied-in inputs the graph writes: the caller's tensor gets the result
         self.copy_back: List[int] = [i for i in sorted(mutated) if kinds[i] is OWNED]
         self.owned: Dict[int, List[int]] = {}  # storage ptr -> [storage handle, use count when idle]
@@ -216,6 +219,9 @@ class GraphInstance:
             arg = args[i]
             if isinstance(arg, torch.Tensor) or arg != value:
                 return MISMATCH
+        for i, buf in self.repeat_checks:
+            if not same_repeats(buf, args[i]):
+                return MISMATCH
         return None
 
     def moved(self, i: int) -> Optional[str]:
@@ -234,7 +240,7 @@ class GraphInstance:
             for i in self.copies:
                 arg, buf = args[i], inputs[i]
                 if arg.data_ptr() != buf.data_ptr():
-                    buf.copy_(arg)
+                    copy_into(buf, arg)
             self.free = False
             outputs = list(self.captured.replay())
             for i in self.copy_back:
@@ -308,22 +314,10 @@ def mutated_inputs(gm: fx.GraphModule) -> frozenset:
                      for w in written_args(node) if w in positions)
 
 
-def _overlaps_itself(t: torch.Tensor) -> bool:
-    """Could two elements of t share memory (e.g. after expand)? Conservative: False means surely not."""
-    span = 0
-    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
-        if stride <= span:
-            return True
-        span += stride * (size - 1)
-    return False
-
-
-def static_buffer(t: torch.Tensor, index: int) -> torch.Tensor:
-    """A copy of t with t's exact layout, owned by a graph."""
-    if _overlaps_itself(t):
-        raise CaptureError(f"input {index} has self-overlapping memory (e.g. from expand) and cannot be "
-                           f"copied into a static buffer")
+def static_buffer(t: torch.Tensor, index: int, name: Optional[str] = None) -> torch.Tensor:
+    """A copy of t with t's exact layout (expanded, strided, offset or empty), owned by a graph."""
+    reason = uncopyable_reason(t)
+    if reason is not None:
+        raise CaptureError(f"input {name or index} cannot be copied into a static buffer: {reason}")
     with torch.no_grad():
-        buf = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-        buf.copy_(t)
-    return buf
+        return static_copy(t)

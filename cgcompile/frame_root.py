@@ -1,0 +1,94 @@
+"""The module a Dynamo graph's frame belongs to, so tags survive Dynamo graph breaks.
+
+After a graph break inside a module's forward (transformers 5's eager experts loop over `nonzero()`), Dynamo
+compiles the rest of that method, and every module method it calls afterwards, as new frames whose root is the
+module itself: their nodes' `nn_module_stack` starts *below* that module, with paths relative to it. Without the
+frame's root the module's own tag and its place in the model are lost ("no module in the graph carries that
+tag"). The root is the frame's `self`; its path is its name among the modules of the outermost module still
+running on the Python stack (the model the user called).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Tuple
+
+import torch.fx as fx
+import torch.nn as nn
+
+from . import _compat
+
+FRAME_ROOT_KEY = "cgcompile_frame_root"  # key prefix of the entries prepended to each node's nn_module_stack
+
+
+def _outermost_running_module() -> Optional[nn.Module]:
+    """The outermost `self` that is an nn.Module among the Python frames now running (the user's model)."""
+    outermost = None
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if isinstance(candidate, nn.Module):
+            inner = getattr(candidate, "_orig_mod", None)  # torch.compile's wrapper: its model is the root
+            outermost = inner if isinstance(inner, nn.Module) else candidate
+        frame = frame.f_back
+    return outermost
+
+
+def _caller_self(code) -> Optional[nn.Module]:
+    """The `self` of the innermost running frame of the method a resume function continues (same file): it is
+    the frame that calls the resume function."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename == code.co_filename and "self" in frame.f_code.co_varnames:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, nn.Module):
+                return candidate
+        frame = frame.f_back
+    return None
+
+
+def frame_root() -> Optional[Tuple[Tuple[str, type], ...]]:
+    """The modules from the user's model down to the module whose method Dynamo is compiling, as (path,
+    class) pairs outermost first (the model itself left out, as Dynamo leaves it out), or None when the frame
+    is not a method of a submodule (the model's own forward, a plain function)."""
+    code, f_locals, resume = _compat.dynamo_frame()
+    root = f_locals.get("self")
+    if not isinstance(root, nn.Module) and resume:
+        root = _caller_self(code)  # `self` unused after the break: the resumed method's frame still holds it
+    if not isinstance(root, nn.Module):
+        return None
+    model = _outermost_running_module()
+    if model is None or model is root:
+        return None
+    path = next((name for name, module in model.named_modules() if module is root), None)
+    if not path:
+        return None
+    parts = path.split(".")
+    prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    return tuple((prefix, type(model.get_submodule(prefix))) for prefix in prefixes)
+
+
+def anchor_module_stacks(gm: fx.GraphModule, root: Optional[Tuple[Tuple[str, type], ...]]) -> None:
+    """Make every node's `nn_module_stack` start at the model: the modules down to the frame's root first,
+    then the recorded modules with their paths prefixed by the root's path."""
+    if not root:
+        return
+    path = root[-1][0]
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        if f"{FRAME_ROOT_KEY}_0" in stack:
+            continue
+        anchored = {f"{FRAME_ROOT_KEY}_{depth}": entry for depth, entry in enumerate(root)}
+        for key, (inner, inner_cls) in stack.items():
+            anchored[key] = (f"{path}.{_relative(inner)}", inner_cls)
+        node.meta["nn_module_stack"] = anchored
+
+
+def _relative(dynamo_path: str) -> str:
+    """Dynamo's "L['self'].gate" -> "gate" (kept as Dynamo spells the rest; clean_module_path tidies it)."""
+    if dynamo_path.startswith("L["):
+        end = dynamo_path.find("]")
+        return dynamo_path[end + 1:].lstrip(".")
+    return dynamo_path

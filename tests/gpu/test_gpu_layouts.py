@@ -1,0 +1,34 @@
+"""tests/test_runtime_layouts.py with real CUDA graphs (driver "cuda"); skipped without a CUDA device: expanded
+outputs, stride-0 / transposed / offset / empty inputs replay like eager, captured and replayed."""
+
+import pytest
+import torch
+
+import cgcompile
+from tests.test_runtime_layouts import CASES
+
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _cuda(args):
+    return tuple(a.cuda() if a.stride() and 0 not in a.stride() else
+                 a[tuple(slice(0, 1) if s == 0 else slice(None) for s in a.stride())].cuda().expand(a.shape)
+                 for a in args)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_any_layout_replays_like_eager_on_cuda(case):
+    fn, make = CASES[case]
+    compiled = torch.compile(fn, backend="cudagraph_modules", options={"driver": "cuda",
+                                                                       "cuda_graph_warmup_steps": 1})
+    cgcompile.reset_stats()
+    with torch.no_grad():
+        for step in range(4):
+            args = _cuda(make(step))
+            got, want = compiled(*args), fn(*args)
+            got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w)
+    st = cgcompile.stats()
+    assert st["eager_fallbacks"] == [] and st["graphs_captured"] >= 1 and st["replays"] >= 2, st

@@ -1,0 +1,68 @@
+"""Tiny Hugging Face transformers models built from configs in code (no weights, no hub access), one per
+family cgcompile covers, and the training loop the HF tests compare with eager."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the hub: the configs below are complete
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64)
+_MOE = dict(num_experts_per_tok=2)
+
+CONFIGS = {
+    "mixtral": lambda: transformers.MixtralConfig(**_COMMON, **_MOE, num_local_experts=4),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**_COMMON, **_MOE, moe_intermediate_size=16, num_experts=4,
+                                                     head_dim=8),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**_COMMON, **_MOE, moe_intermediate_size=16, num_experts=4,
+                                                     shared_expert_intermediate_size=16),
+    "olmoe": lambda: transformers.OlmoeConfig(**_COMMON, **_MOE, num_experts=4),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **dict(_COMMON, num_key_value_heads=4), **_MOE, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1, n_group=1,
+        topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8),
+    "gpt_oss": lambda: transformers.GptOssConfig(**_COMMON, **_MOE, num_local_experts=4, head_dim=8,
+                                                 sliding_window=8,
+                                                 layer_types=["sliding_attention", "full_attention"]),
+    "llama": lambda: transformers.LlamaConfig(**_COMMON),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+}
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss")
+
+
+def build(family: str, seed: int = 0, **kwargs) -> torch.nn.Module:
+    """A freshly initialised causal LM of the family, eager attention, fp32, on the CPU."""
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(CONFIGS[family](), attn_implementation="eager",
+                                                         **kwargs)
+
+
+def tokens(step: int, batch: int = 2, seq: int = 8) -> torch.Tensor:
+    """New tokens every step, the same for the compiled model and its eager twin."""
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1000 + step))
+
+
+def train_like_eager(model: torch.nn.Module, compiled, steps: int = 4, lr: float = 0.1):
+    """SGD steps on the compiled model and an eager copy made first; returns the per-step absolute loss
+    differences and the largest parameter difference after the last step."""
+    reference = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=lr) for m in (model, reference))
+    loss_diffs = []
+    for step in range(steps):
+        ids = tokens(step)
+        loss, ref = compiled(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss
+        loss.backward()
+        ref.backward()
+        opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
+        loss_diffs.append((loss - ref).abs().item())
+    param_diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    return loss_diffs, param_diff
