@@ -231,7 +231,7 @@ def test_goal_rows_verdicts():
 
 
 def test_bench_cpu_quick_table():
-    out = run_script("bench_cpu.py", "--quick", "--emulate")
+    out = run_script("bench_cpu.py", "--quick", "--emulate", timeout=420)  # table (e) adds 3 short MoE runs
     rows = [line for line in out.splitlines() if line.startswith("(")]
     assert [r[:3] for r in rows] == ["(a)", "(a)", "(b)", "(b)", "(c)"]
     for row in rows:
