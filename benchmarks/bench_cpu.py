@@ -13,6 +13,8 @@ puts the drift on both sides of a ratio):
   (d) dynamic_padding on a 2-layer MoE training step with new tokens every step: kernel ops still dispatched on
       the host outside graphs (the CPU proxy for launches), host reads of device data, and the matmul FLOPs the
       padding adds (the profiler's estimate), eager/off/max/buckets.
+  (e) the graph bank on the same MoE with 512 new tokens a step, 40 steps, default options, off/buckets/max: live
+      graphs, bytes they hold between steps against the bytes of the graphs one step uses, replays per call.
 Torch runs on one intra-op thread: the quantities are Python-bound, and one thread is far less sensitive to
 other processes on a small machine.
 
@@ -199,6 +201,66 @@ def print_padding(layers: int, results: dict) -> None:
               f"  {flops / eager_flops:>20.2f}x  {verdict}".rstrip())
 
 
+BANK_BATCH, BANK_GOALS = (8, 64), {"held_vs_step": 1.5, "drift": 0.10, "kept_hit_rate": 0.80}
+
+
+def bench_bank(mode: str, steps: int, checkpoints=(10, 40)) -> dict:
+    """(e) the graph bank on a 2-layer MoE training step with new tokens every step (512 a step), default options
+    (driver=emulate): per checkpoint step, live graphs, bytes they hold between steps and bytes of the graphs
+    that step used; over the last 10 steps, replays per partition call and the hit rate of the partitions still
+    capturing; releases and stops."""
+    torch._dynamo.reset()
+    model = SPEC.make(num_layers=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    options = {"driver": "emulate", **({"dynamic_padding": mode} if mode != "off" else {})}
+    flags = {"capture_dynamic_output_shape_ops": mode != "off"}  # "off": Dynamo's defaults (nonzero breaks)
+    size = lambda g: g["static_input_bytes"] + g["static_output_bytes"] + g["pool_bytes"]  # noqa: E731
+    found, seen, calls = {}, {}, {}
+    with torch._dynamo.config.patch(**flags):
+        run = torch.compile(model, backend=OURS, options=options)
+        cgcompile.reset_stats()
+        for i in range(steps):
+            (tokens,) = SPEC.example_inputs(batch=BANK_BATCH[0], seq=BANK_BATCH[1], seed=1000 + i)
+            SPEC.loss(run, tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            stats = cgcompile.stats()
+            graphs = {g["label"]: g for g in stats["graphs"]}  # labels are unique: checked against the rows below
+            used = [g for label, g in graphs.items() if g["replays"] != seen.get(label)]
+            seen = {label: g["replays"] for label, g in graphs.items()}
+            if i + 1 in checkpoints:
+                found[i + 1] = (len(graphs), sum(map(size, graphs.values())), sum(map(size, used)))
+            if i + 1 == steps - 10:
+                calls = {p["partition"]: p for p in stats["partitions"]}
+    parts = stats["partitions"]
+    delta = lambda p, k: p[k] - calls.get(p["partition"], {}).get(k, 0)  # noqa: E731
+    total = sum(delta(p, "calls") for p in parts)
+    kept = [p for p in parts if not p["stopped"]]
+    kept_calls = sum(delta(p, "calls") for p in kept)
+    return {"checkpoints": found, "replays_per_call": sum(delta(p, "replays") for p in parts) / max(total, 1),
+            "kept_hit_rate": sum(delta(p, "replays") for p in kept) / max(kept_calls, 1),
+            "released": stats["graphs_released"], "stops": len(stats["bank_stops"]),
+            "captured": stats["graphs_captured"], "labels_unique": len(stats["graphs"]) == len(seen)}
+
+
+def print_bank(results: dict, steps: int) -> None:
+    first, last = 10, steps
+    print(f"\ngraph bank (e): 2-layer MoE training step, tokens {BANK_BATCH} (512 new tokens every step), {steps} "
+          f"steps, default options, driver=emulate")
+    print(f"mode      live graphs {first}/{last}  held MiB {first}/{last}  step's graphs MiB  held/step  "
+          f"replays/call  kept hit rate  captured  released  stops  result")
+    for mode, r in results.items():
+        (live_a, held_a, _), (live_b, held_b, used_b) = r["checkpoints"][first], r["checkpoints"][last]
+        ratio, drift = held_b / max(used_b, 1), abs(held_b - held_a) / max(held_a, 1)
+        ok = (ratio <= BANK_GOALS["held_vs_step"] and drift <= BANK_GOALS["drift"]
+              and r["kept_hit_rate"] >= BANK_GOALS["kept_hit_rate"] and r["labels_unique"])
+        print(f"{mode:<8}  {live_a:>8}/{live_b:<6}  {held_a / 2**20:>6.2f}/{held_b / 2**20:<6.2f}  {used_b / 2**20:>17.2f}"
+              f"  {ratio:>8.2f}x  {r['replays_per_call']:>12.2f}  {r['kept_hit_rate']:>13.2f}  {r['captured']:>8}"
+              f"  {r['released']:>8}  {r['stops']:>5}  {'PASS' if ok else 'MISS'}")
+    print(f"goals: held <= {BANK_GOALS['held_vs_step']}x the step's graphs, step {last} within "
+          f"{BANK_GOALS['drift']:.0%} of step {first}, kept hit rate >= {BANK_GOALS['kept_hit_rate']:.0%}, unique labels")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small models, one repeat: a smoke run for CI")
@@ -243,6 +305,9 @@ def main(argv=None) -> int:
         padding_layers = 2
         print_padding(padding_layers, bench_padding(padding_layers, warmup=4 if args.quick else 16,
                                                     steps=2 if args.quick else 8))
+        bank_steps = 16 if args.quick else 40  # the last 10 steps of a quick run are past warmup too
+        print_bank({mode: bench_bank(mode, bank_steps, (10, bank_steps)) for mode in ("off", "buckets", "max")},
+                   bank_steps)
         print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
         if args.profile:

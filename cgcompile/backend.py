@@ -22,6 +22,7 @@ from .frame_root import anchor_module_stacks, frame_root
 from .logs import register_with_torch_logs
 from .padding import pad_dynamic_rows
 from .passes import is_static_placeholder, node_location
+from .passes.common import frame_name
 from .passes.batch_rows import batch_layout, batch_padding_blocker, batch_symbol
 from .runtime.capture_sizes import BatchBuckets
 from .runtime.model_runtime import ModelRuntime
@@ -164,7 +165,7 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
         wrapped = compile_partition(
             submod, [n.meta.get("example_value") for n in inputs], name=f"graph {graph_plan.index} {name}",
             static_input_indices=[i for i, n in enumerate(inputs) if n.name in static_names], runtime=runtime,
-            location=first or _first_location(submod))
+            location=first or _first_location(submod), frame=frame_name(submod))
         if config.verify:
             wrapped = VerifiedPartition(wrapped, submod, f"graph {graph_plan.index} {name}", config.verify,
                                         skip=config.cuda_graph_warmup_steps)

@@ -23,6 +23,8 @@ def _zero() -> Dict[str, Any]:
         "capture_seconds": 0.0,  # wall time spent in warmup-compile and capture
         "verify_max_diff": {},   # partition -> largest |captured - eager| seen (option verify)
         "capture_size_overflows": 0,  # calls whose batch exceeded the largest capture size (ran eagerly)
+        "graphs_released": 0,    # graphs the bank policy released (not replayed within its window)
+        "bank_stops": [],        # {"partition", "reason"}: partitions that stopped capturing (sizes, re-capture storm)
     }
 
 
@@ -31,11 +33,14 @@ _state = _zero()
 
 def stats() -> Dict[str, Any]:
     """A snapshot of the counters since the last reset_stats(), plus `graphs`: one entry per captured graph
-    alive now (partition, kind, pool_bytes, static_input_bytes, static_output_bytes); see runtime/release.py."""
-    from .runtime.release import graph_memory
+    alive now (partition, label, kind, replays, pool_bytes, static_input_bytes, static_output_bytes), and
+    `partitions`: per captured partition its graph-bank accounting (calls, replays, misses, captures, ...; kept by
+    the partition since it was created or released, not reset here); see runtime/release.py."""
+    from .runtime.release import graph_memory, partition_stats
     with _lock:
         snapshot = copy.deepcopy(_state)
     snapshot["graphs"] = graph_memory()
+    snapshot["partitions"] = partition_stats()
     return snapshot
 
 

@@ -231,7 +231,7 @@ def test_goal_rows_verdicts():
 
 
 def test_bench_cpu_quick_table():
-    out = run_script("bench_cpu.py", "--quick", "--emulate")
+    out = run_script("bench_cpu.py", "--quick", "--emulate", timeout=420)  # table (e) adds 3 short MoE runs
     rows = [line for line in out.splitlines() if line.startswith("(")]
     assert [r[:3] for r in rows] == ["(a)", "(a)", "(b)", "(b)", "(c)"]
     for row in rows:
@@ -245,3 +245,6 @@ def test_bench_cpu_quick_table():
     assert list(padding) == ["eager", "off", "max", "buckets"]
     assert float(padding["max"][5]) == 0.0  # host syncs per step with dynamic_padding="max"
     assert float(padding["max"][1]) < float(padding["eager"][1]) / 4  # kernel ops outside graphs
+    bank = {line.split()[0]: line for line in out.split("graph bank (e)")[1].splitlines()[2:5]}
+    assert list(bank) == ["off", "buckets", "max"]
+    assert all(line.endswith("PASS") for line in bank.values()), bank  # memory bounded, kept graphs hit

@@ -60,6 +60,34 @@ def node_location(node: fx.Node) -> Optional[str]:
     return f"{path}:{line}"
 
 
+_FRAME_FUNCTION = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_RESUMED = re.compile(r"torch_dynamo_resume_in_(\w+)_at_(\d+)$")
+
+
+def frame_name(gm: fx.GraphModule) -> str:
+    """Where a graph's code lives, for labels: the user's function running its first op, with the module class
+    (`MoE.forward (moe.py:142)`; a frame Dynamo resumed after a graph break reads `fn, resumed after line N`).
+    Code of torch's own modules (nn.Sequential) has no stack trace: then the module's class and path."""
+    for node in gm.graph.nodes:
+        frames = _FRAME_FUNCTION.findall(node.meta.get("stack_trace") or "")
+        if not frames:
+            continue
+        path, line, function = next((f for f in reversed(frames) if not os.path.abspath(f[0]).startswith(_TORCH_DIR)),
+                                    frames[-1])
+        resumed = _RESUMED.match(function)
+        if resumed:
+            function = f"{resumed.group(1)}, resumed after line {resumed.group(2)}"
+        users = [cls for _, cls in module_stack(node) if not getattr(cls, "__module__", "torch").startswith("torch.")]
+        owner = f"{getattr(users[-1], '__name__', users[-1])}." if users else ""  # the module whose code runs
+        return f"{owner}{function} ({os.path.basename(path)}:{line})"
+    for node in gm.graph.nodes:
+        stack = module_stack(node)
+        if stack:
+            path, cls = stack[-1]
+            return f"{getattr(cls, '__name__', cls)} {path or '(root)'}"
+    return "?"
+
+
 def short_location(location: Optional[str]) -> str:
     """'file.py:12' for tables; the JSON keeps the full path."""
     return os.path.basename(location) if location else "?"

@@ -112,6 +112,11 @@ class GraphInstance:
         self.free = False  # seen idle since its last replay: stays so until the next replay (see busy())
         self.bw: Optional[GraphInstance] = None  # a forward instance's backward graph
         self.cleared_streak = 0  # backward: replays in a row that found the parameters' grads cleared
+        # Graph-bank bookkeeping (partition_runner.py, bank_policy.py): the label without its kind (a backward's
+        # label starts with its forward's), the partition's clock at its last use, re-captures in a row.
+        self.name = label
+        self.last_use = 0
+        self.recapture_streak = 0
 
     # memory registry (ModelRuntime) ----------------------------------------------------------------------
 
@@ -145,6 +150,13 @@ class GraphInstance:
     def remember_params(self, args: Sequence[Any]) -> None:
         """Keep weak references to the caller's parameter objects, to tell "moved" from "another layer's"."""
         self.param_refs = {i: weakref.ref(args[i]) for i, k in enumerate(self.kinds) if k is PARAM}
+
+    def enter_bank(self, name: str, tick: int, recapture_streak: int = 0) -> None:
+        """Taken into a partition's graph bank at its clock's `tick` (see bank_policy.py)."""
+        self.name, self.last_use, self.recapture_streak = name, tick, recapture_streak
+
+    def mark_used(self, tick: int) -> None:
+        self.last_use = tick
 
     def attach_backward(self, bw: "GraphInstance") -> None:
         self.bw = bw

@@ -91,8 +91,11 @@ class ModelRuntime:
             self._progress = None
         wave = self._wave
         memory = f", {wave['bytes'] / 2**30:.2f} GiB" if self.driver.name == "cuda" else ""
-        log.info("cgcompile: captured %d graphs in %.1f s%s (driver %s)", wave["graphs"], wave["seconds"],
-                 memory, self.driver.name)
+        bank = ", ".join(f"{row['partition']} {row['calls']}/{row['replays']}/{row['captures']}/{row['misses']}"
+                         for row in self.partition_stats())
+        log.info("cgcompile: captured %d graphs in %.1f s%s (driver %s); graph bank per partition, "
+                 "calls/replays/captures/misses so far (stats()['partitions']): %s", wave["graphs"], wave["seconds"],
+                 memory, self.driver.name, bank)
 
     def release(self) -> None:
         """Drop every graph, the shared pool and the driver's stream (cgcompile.release()); the partitions
@@ -105,9 +108,16 @@ class ModelRuntime:
         self.driver.release()
 
     def graph_memory(self) -> List[Dict[str, Any]]:
-        """Per live graph: its partition, kind, the pool bytes its capture reserved (CUDA only), and the bytes
-        of the static input buffers and outputs it owns (what it keeps allocated between calls)."""
-        return [{"partition": g.partition, "kind": g.kind, **g.memory()} for g in self.live_graphs()]
+        """Per live graph: its partition, unique label, kind, replays, the pool bytes its capture reserved (CUDA
+        only), and the bytes of the static input buffers and outputs it owns (what it keeps between calls)."""
+        return [{"partition": g.partition, "label": g.label, "kind": g.kind, "replays": g.replays, **g.memory()}
+                for g in self.live_graphs()]
+
+    def partition_stats(self) -> List[Dict[str, Any]]:
+        """Per partition that ran since it was created or released: its frame and graph-bank accounting
+        (bank_policy.BankCounters)."""
+        return [{"partition": r.name, "frame": r.frame, **r.counters.as_dict()} for r in self.runners()
+                if r.counters.calls]
 
     def live_graphs(self) -> List[GraphInstance]:
         """The captured graphs alive now (forward, backward and inference instances), in capture order.

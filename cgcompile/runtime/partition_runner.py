@@ -15,14 +15,18 @@ and the list of live graphs in ModelRuntime (model_runtime.py).
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
 
 from .. import _compat
-from ..counters import record
+from ..counters import add as count, record
+from . import bank_policy
 from .driver import Driver
 from .global_state import preserved_global_state
 from .graph import MISMATCH, GraphInstance, capture_instance, is_static_tensor, mutated_inputs, storage_ptr
@@ -55,9 +59,17 @@ class _Family:
         if self.kind == "backward":
             return self._backward(args)
         self.calls += 1
+        counters = part.counters
+        part.tick += 1
+        counters.calls += 1
         if self.calls <= part.config.cuda_graph_warmup_steps:
+            counters.misses += 1
             return self.run(args)
-        return self._forward(args)
+        out = self._forward(args)
+        part.judge()
+        if part.tick >= part.next_sweep:
+            part.sweep()
+        return out
 
     def _forward(self, args: list) -> Any:
         part, runtime = self.part, self.part.runtime
@@ -69,11 +81,17 @@ class _Family:
             if graph.bw is not None and graph.bw.busy():  # its grads, stolen as .grad, are still held
                 continue
             if verdict is None:
+                part.counters.replays += 1
+                graph.mark_used(part.tick)
                 return graph.replay(args, runtime, alias=True)
             if stale is None:
                 stale = (index, verdict)
+        part.counters.misses += 1
         if stale is not None:
             return self._capture_and_run(args, replace=stale[0], reason=stale[1])
+        if part.counters.stopped is not None:
+            return self.run(args)  # stopped capturing new sizes (bank policy); its graphs still replay
+        part.sweep()  # room for the new graph first
         params = frozenset(part.static_storages())
         cap = part.config.max_graphs_per_partition
         if part.graph_counts.get(params, 0) >= cap:
@@ -84,11 +102,19 @@ class _Family:
 
     def _capture_and_run(self, args: list, replace: Optional[int] = None, reason: str = "") -> Any:
         part, runtime = self.part, self.part.runtime
+        streak = 0
         if replace is not None:
-            old = self.graphs[replace]
+            old = self.graphs.pop(replace)
             part.graph_counts[old.param_storages] -= 1
+            streak = bank_policy.recapture_streak(old.recapture_streak, old.replays)
             runtime.discard(old)
+            part.counters.recaptures += 1
             record("recaptures", part.name, reason)
+            if bank_policy.storm(streak):
+                part.fail(f"re-capture storm: its {self.kind} graph was re-captured {streak} times in a row without "
+                          f"a replay in between ({reason}); capturing it costs more than running it eagerly",
+                          storm=True)
+                return self.run(args)
             log.info("cgcompile: re-capturing %s %s graph: %s", part.describe(), self.kind, reason)
         try:
             graph = self._capture(args, frozenset(part.static_storages()))
@@ -96,11 +122,11 @@ class _Family:
             part.fail(f"capturing its {self.kind} graph failed: {type(exc).__name__}: {exc}")
             return self.run(args)
         graph.remember_params(args)
+        graph.enter_bank(graph.name, part.tick, streak)
+        part.counters.captures += 1
+        part.unjudged.append((part.tick, weakref.ref(graph)))
         part.graph_counts[graph.param_storages] = part.graph_counts.get(graph.param_storages, 0) + 1
-        if replace is None:
-            self.graphs.append(graph)
-        else:
-            self.graphs[replace] = graph
+        self.graphs.append(graph)
         return graph.replay(args, runtime, alias=True)
 
     def _backward(self, args: list) -> Any:
@@ -150,8 +176,12 @@ class _Family:
 
     def _capture(self, args: list, param_storages: frozenset) -> GraphInstance:
         part = self.part
-        return capture_instance(self, part.name, part.describe(), self.kind, self.run, args, param_storages,
-                                self.mutated, part.runtime, part.driver)
+        forward = self.variant.forward.instance_for(args) if self.kind == "backward" else None
+        name = forward.name if forward is not None else part.graph_name(args, param_storages)
+        graph = capture_instance(self, part.name, f"{name} {self.kind}", self.kind, self.run, args, param_storages,
+                                 self.mutated, part.runtime, part.driver)
+        graph.enter_bank(name, part.tick)
+        return graph
 
     def discard(self) -> None:
         for graph in self.graphs:
@@ -214,7 +244,7 @@ class PartitionRunner:
     permanent eager fallback. (`Partition` is the plan's record of the same partition, plan.py.)"""
 
     def __init__(self, submod: fx.GraphModule, name: str, static_input_indices: Sequence[int],
-                 runtime: ModelRuntime, location: Optional[str], driver: Driver):
+                 runtime: ModelRuntime, location: Optional[str], driver: Driver, frame: Optional[str] = None):
         self.submod = submod
         self.name = name
         self.location = location
@@ -231,6 +261,15 @@ class PartitionRunner:
         self.broken: Optional[str] = None
         self._warned: set = set()
         self._args: Optional[Sequence[Any]] = None
+        # The bank policy's state (bank_policy.py): accounting, its clock (forward/inference calls), the next
+        # sweep of stale graphs, the captures not yet judged, oldest first.
+        self.counters = bank_policy.BankCounters()
+        self.tick = 0
+        self.next_sweep = 0
+        self.unjudged: "collections.deque[Tuple[int, weakref.ref]]" = collections.deque()
+        self.frame = frame or (os.path.basename(location) if location else "?")
+        self._param_set_ids: Dict[frozenset, int] = {}
+        self._serial = 0
         runtime.add_runner(self)
 
     def __call__(self, *args: Any) -> Any:
@@ -239,6 +278,12 @@ class PartitionRunner:
         key = self._key(args)
         variant = self.bank.get(key)
         if variant is None:
+            if self.counters.stopped is None:
+                self._new_size()
+            if self.counters.stopped is not None:  # no compile for a size that will not be captured
+                self.counters.calls += 1
+                self.counters.misses += 1
+                return self.submod(*args)
             try:
                 variant = self.bank[key] = _Variant(self, args)
             except Exception as exc:
@@ -295,22 +340,119 @@ class PartitionRunner:
     def describe(self) -> str:
         return f"partition {self.name}" + (f" ({self.location})" if self.location else "")
 
-    def fail(self, reason: str) -> None:
-        """Fall back to eager for good: log once, count, release graphs. The current call still completes."""
+    def graph_name(self, args: Sequence[Any], param_storages: frozenset) -> str:
+        """A unique, readable name for a new forward/inference graph (its backward's label starts with it):
+        partition, frame, the shapes of its non-parameter inputs, which parameter set, a serial number."""
+        params = self._param_set_ids.setdefault(param_storages, len(self._param_set_ids))
+        self._serial += 1
+        shapes: List[str] = []
+        for index, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor) and index not in self.static_indices and not is_static_tensor(arg):
+                shape = "x".join(map(str, arg.shape)) or "()"
+                if shape not in shapes:
+                    shapes.append(shape)
+        sizes = ",".join(shapes[:3]) + (",..." if len(shapes) > 3 else "")
+        return f"{self.name} in {self.frame} [{sizes}] params {params} #{self._serial}"
+
+    # the bank policy (bank_policy.py) -------------------------------------------------------------------------
+
+    def live_graphs(self) -> int:
+        """Forward/inference instances alive now: the policy's clock counts calls per live graph."""
+        return sum(self.graph_counts.values())
+
+    def _new_size(self) -> None:
+        """A call brought an input signature never seen: stop capturing new sizes if most calls do."""
+        counters, cap = self.counters, self.config.max_graphs_per_partition
+        counters.sizes += 1
+        if bank_policy.new_sizes_keep_coming(counters.sizes, counters.calls + 1, cap):
+            self.stop(f"{counters.sizes} distinct input sizes in its first {counters.calls + 1} calls, more than "
+                      f"max_graphs_per_partition={cap} could hold")
+
+    def judge(self) -> None:
+        """Judge the captures old enough (bank_policy.is_judged): a graph never replayed is released as wasted;
+        stop capturing new sizes when most were (bank_policy.sizes_do_not_repeat)."""
+        if not self.unjudged:
+            return
+        graphs = self.live_graphs()
+        wasted = []
+        while self.unjudged and bank_policy.is_judged(self.unjudged[0][0], self.tick, graphs):
+            graph = self.unjudged.popleft()[1]()
+            if graph is None or graph.captured is None:
+                continue
+            self.counters.judged += 1
+            if graph.replays <= 1:  # its only replay was the capture's own
+                self.counters.wasted += 1
+                wasted.append(graph)
+        self.release_graphs(wasted, f"never replayed within {bank_policy.JUDGE_AFTER} calls per live graph of "
+                                    f"its capture")
+        counters = self.counters
+        if counters.stopped is None and bank_policy.sizes_do_not_repeat(counters):
+            self.stop(f"{counters.wasted} of its {counters.judged} graphs judged so far were never replayed after "
+                      f"their capture")
+
+    def sweep(self) -> None:
+        """Release the graphs not used within the window (bank_policy.is_stale); runs every window's calls."""
+        window, graphs = bank_policy.RELEASE_WINDOW, self.live_graphs()
+        self.next_sweep = self.tick + window  # a sweep is a pass over the live graphs: not on every call
+        stale = [graph for variant in self.bank.values() for family in (variant.forward, variant.inference)
+                 if family is not None for graph in family.graphs
+                 if bank_policy.is_stale(graph.last_use, self.tick, graphs)]
+        self.release_graphs(stale, f"not replayed in its last {window} calls per live graph")
+
+    def release_graphs(self, graphs: List[GraphInstance], why: str) -> None:
+        """Release idle forward/inference instances with their backward graphs (a busy one is kept: its outputs
+        or stolen grads are in use): memory returned, counted, the partition's first release logged."""
+        released = 0
+        for graph in graphs:
+            if graph.captured is None or graph.busy() or (graph.bw is not None and graph.bw.busy()):
+                continue
+            graph.owner.graphs.remove(graph)
+            self.graph_counts[graph.param_storages] -= 1
+            self.runtime.discard(graph)
+            released += 1
+        if not released:
+            return
+        self.counters.releases += released
+        count("graphs_released", released)
+        if "release" not in self._warned:
+            self._warned.add("release")
+            log.info("cgcompile: %s: released %d graph(s) (%s), their memory returned; later releases are counted "
+                     "in stats()['partitions']", self.describe(), released, why)
+
+    def stop(self, reason: str) -> None:
+        """Stop capturing new sizes for good: log once with the fix, count, release the graphs never replayed.
+        The graphs it keeps still replay; other sizes run eagerly."""
+        self.counters.stopped = (f"{reason}: its input sizes do not repeat (e.g. rows selected by nonzero before a "
+                                 f"graph break); new sizes run eagerly, the graphs it has keep replaying. "
+                                 f"{_FIX_HINT}")
+        log.warning("cgcompile: %s stops capturing new sizes: %s", self.describe(), self.counters.stopped)
+        record("bank_stops", self.name, self.counters.stopped, once=True)
+        self.release_graphs([graph for variant in self.bank.values() for family in (variant.forward, variant.inference)
+                             if family is not None for graph in family.graphs if graph.replays <= 1],
+                            "never replayed")
+
+    def fail(self, reason: str, storm: bool = False) -> None:
+        """Fall back to eager for good: log once, count (a re-capture storm in stats()["bank_stops"], other
+        causes in "eager_fallbacks"), release graphs. The current call still completes."""
         if self.broken is not None:
             return
         self.broken = reason
+        if storm:
+            self.counters.stopped = reason
         log.warning("cgcompile: %s runs eagerly from now on: %s", self.describe(), reason)
-        record("eager_fallbacks", self.name, reason, once=True)
+        record("bank_stops" if storm else "eager_fallbacks", self.name, reason, once=True)
         for variant in self.bank.values():
             variant.discard()
         self.bank = {}
 
     def release(self) -> None:
-        """Forget every graph (cgcompile.release()): the next call compiles, warms up and captures anew."""
+        """Forget every graph (cgcompile.release()): the next call compiles, warms up and captures anew, and the
+        bank policy starts over with its accounting."""
         for variant in self.bank.values():
             variant.discard()
         self.bank, self.graph_counts = {}, {}
+        self.counters = bank_policy.BankCounters()
+        self.unjudged.clear()
 
     def eager_call(self, reason: str) -> None:
         """One call runs eagerly (bank full): log and count once per partition and reason."""
@@ -320,19 +462,25 @@ class PartitionRunner:
             log.warning("cgcompile: %s: %s", self.describe(), reason)
 
 
+_FIX_HINT = ("Fix: dynamic_padding='buckets' (or 'max') with torch._dynamo.config.capture_dynamic_output_shape_ops="
+             "True when the sizes come from nonzero or a boolean mask, or capture_sizes=[...] when they are a batch "
+             "dimension.")
+
+
 def compile_partition(submod: fx.GraphModule, example_inputs: Sequence[Any], *, name: str,
                       static_input_indices: Sequence[int], runtime: ModelRuntime,
-                      location: Optional[str] = None) -> Callable[..., Any]:
+                      location: Optional[str] = None, frame: Optional[str] = None) -> Callable[..., Any]:
     """Wrap one captured partition of a split Dynamo graph.
 
     Returns a callable with submod's calling convention (positional args; returns what submod returns).
     It compiles and captures lazily, at run time, with real tensors. `static_input_indices` are the
     positions of parameters/buffers (nn.Parameter arguments and tensors Dynamo marked with
-    `_dynamo_static_input_type` count as static too). `location` ("file:line") goes into fallback warnings.
+    `_dynamo_static_input_type` count as static too). `location` ("file:line") goes into fallback warnings,
+    `frame` (the Dynamo frame's function and file:line) into the graphs' labels.
     When nothing would be captured or compiled (eager driver and eager inner compiler), submod itself is
     returned: the cheapest host path.
     """
     driver = runtime.driver_for(example_inputs)
     if not driver.captures and str(runtime.config.inner_compiler) == "eager":
         return submod
-    return PartitionRunner(submod, name, static_input_indices, runtime, location, driver)
+    return PartitionRunner(submod, name, static_input_indices, runtime, location, driver, frame)

@@ -42,6 +42,12 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
+def partition_stats() -> List[Dict[str, Any]]:
+    """One entry per captured partition that ran since its runtime was created or released: its graph-bank
+    accounting (see ModelRuntime.partition_stats)."""
+    return [row for holder in list(_holders) for row in getattr(holder, "partition_stats", list)()]
+
+
 def graph_memory() -> List[Dict[str, Any]]:
     """One entry per live captured graph: partition, kind, and the bytes it holds (see ModelRuntime)."""
     rows: List[Dict[str, Any]] = []

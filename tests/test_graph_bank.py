@@ -1,0 +1,177 @@
+"""The graph bank's policy end to end (emulate driver): per-partition accounting in stats(), graphs released
+when they stop paying, partitions that stop capturing sizes that do not repeat or that re-capture on every call,
+each logged once and counted, unique graph labels, and memory that does not grow with the sizes seen."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import expecttest
+import pytest
+import torch
+import torch.nn as nn
+
+import cgcompile
+from cgcompile.runtime import bank_policy
+from tests.models import MODELS
+
+# whole-layer mode: mlp() below is one captured partition (its small runs join across the layer cuts)
+OPTIONS = {"cuda_graph_impl": "local", "cuda_graph_modules": [], "driver": "emulate", "cuda_graph_warmup_steps": 1}
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+
+def compiled(model: nn.Module, **options) -> nn.Module:
+    torch._dynamo.reset()
+    cgcompile.reset_stats()
+    return torch.compile(model, backend="cudagraph_modules", options={**OPTIONS, **options})
+
+
+def batch(rows: int, seed: int, dynamic: bool = True) -> torch.Tensor:
+    x = torch.randn(rows, 8, generator=torch.Generator().manual_seed(seed))
+    if dynamic:
+        torch._dynamo.mark_dynamic(x, 0)
+    return x
+
+
+def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def partition_row(name_part: str = "") -> dict:
+    rows = [p for p in cgcompile.stats()["partitions"] if p["calls"] and name_part in p["partition"]]
+    assert len(rows) == 1, rows
+    return rows[0]
+
+
+def messages(caplog, text: str) -> list:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+def test_a_re_capture_storm_stops_capture_after_a_bounded_number_logged_once(caplog):
+    """Parameters re-allocated after every step (as FSDP2 does): the graph re-captures on every call; after
+    STORM_STREAK re-captures in a row the partition runs eagerly, the reason logged once, training exact."""
+    model = mlp()
+    reference = copy.deepcopy(model)
+    run = compiled(model)
+    caplog.set_level(logging.INFO, logger="cgcompile")
+    for i in range(12):
+        x = batch(4, i, dynamic=False)
+        assert torch.equal(step(run, x), step(reference, x))
+        for m in (model, reference):
+            for p in m.parameters():
+                p.grad = None
+                p.data = p.data.clone()  # same Parameter, new memory
+    stats = cgcompile.stats()
+    row = partition_row()
+    assert row["recaptures"] == bank_policy.STORM_STREAK and row["stopped"]
+    assert row["captures"] == 1 + bank_policy.STORM_STREAK - 1  # the storming re-capture itself is not made
+    assert stats["graphs_captured"] <= 2 * bank_policy.STORM_STREAK  # forward and backward, bounded
+    assert stats["graphs"] == []
+    assert [s["reason"] for s in stats["bank_stops"]] == [row["stopped"]]
+    assert "re-capture storm" in row["stopped"] and "static input" in row["stopped"]
+    assert len(messages(caplog, "re-capture storm")) == 1
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_graph_not_replayed_within_the_window_is_released_and_captured_again_when_needed(caplog):
+    model = mlp()
+    reference = copy.deepcopy(model)
+    run = compiled(model)
+    caplog.set_level(logging.INFO, logger="cgcompile")
+    for i in range(3):  # rows 4: warmup, capture, replay
+        assert torch.equal(step(run, batch(4, i)), step(reference, batch(4, i)))
+    assert partition_row()["replays"] == 1
+    for i in range(2 * bank_policy.RELEASE_WINDOW + 4):  # only rows 6 from now on (2 live graphs: 2x the window)
+        assert torch.equal(step(run, batch(6, 10 + i)), step(reference, batch(6, 10 + i)))
+    row = partition_row()
+    assert row["releases"] == 1 and row["stopped"] is None
+    assert cgcompile.stats()["graphs_released"] == 1
+    live = cgcompile.stats()["graphs"]
+    assert len(live) == 2 and all("[6x8]" in g["label"] for g in live)  # the rows-6 forward and backward
+    assert len(messages(caplog, "released")) == 1
+    for i in range(2):  # rows 4 again: captured at once (warmed up already), exact
+        assert torch.equal(step(run, batch(4, 50 + i)), step(reference, batch(4, 50 + i)))
+    assert partition_row()["captures"] == 3
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+class TestSizesThatDoNotRepeat(expecttest.TestCase):
+    def test_a_partition_meeting_new_sizes_on_most_calls_stops_capturing_them(self):
+        model = mlp()
+        reference = copy.deepcopy(model)
+        run = compiled(model, max_graphs_per_partition=4)
+        rows = [3, 3, 3, 4, 5, 6, 7, 8, 9, 10, 3, 11, 12, 3]
+        with self.assertLogs("cgcompile", level="WARNING") as logs:
+            for i, n in enumerate(rows):
+                self.assertTrue(torch.equal(step(run, batch(n, i)), step(reference, batch(n, i))))
+        row = partition_row()
+        self.assertEqual((row["calls"], row["replays"], row["misses"], row["sizes"]), (14, 3, 11, 5))
+        self.assertEqual(row["captures"], 1)  # rows 3, kept and replayed after the stop
+        self.assertEqual(len([m for m in logs.output if "stops capturing" in m]), 1)
+        self.assertEqual(len(cgcompile.stats()["graphs"]), 2)
+        self.assertExpectedInline(row["stopped"], """5 distinct input sizes in its first 7 calls, more than max_graphs_per_partition=4 could hold: its input sizes do not repeat (e.g. rows selected by nonzero before a graph break); new sizes run eagerly, the graphs it has keep replaying. Fix: dynamic_padding='buckets' (or 'max') with torch._dynamo.config.capture_dynamic_output_shape_ops=True when the sizes come from nonzero or a boolean mask, or capture_sizes=[...] when they are a batch dimension.""")
+
+
+MOE = MODELS["moe_mask"]
+
+
+def moe_bank_run(steps: int, checkpoints, device: str = "cpu", driver: str = "emulate") -> dict:
+    """The issue's run: tests' MoE, default options, 512 new tokens every step, SGD. Per checkpoint step: bytes
+    held by live graphs, bytes of the graphs that step used, the live labels, and (CUDA) memory allocated."""
+    model = MOE.make(num_layers=2).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    run = compiled(model, driver=driver, cuda_graph_warmup_steps=3)  # the default warmup
+    seen, found = {}, {}
+    size = lambda g: g["static_input_bytes"] + g["static_output_bytes"] + g["pool_bytes"]  # noqa: E731
+    for i in range(steps):
+        (tokens,) = MOE.example_inputs(batch=8, seq=64, seed=i, device=device)
+        MOE.loss(run, tokens).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        graphs = {g["label"]: g for g in cgcompile.stats()["graphs"]}
+        used = [g for label, g in graphs.items() if g["replays"] != seen.get(label)]
+        seen = {label: g["replays"] for label, g in graphs.items()}
+        if i + 1 in checkpoints:
+            allocated = torch.cuda.memory_allocated() if device == "cuda" else 0
+            found[i + 1] = (sum(map(size, graphs.values())), sum(map(size, used)), list(graphs), allocated)
+    return found
+
+
+def test_moe_with_new_sizes_every_step_holds_memory_that_does_not_grow():
+    found = moe_bank_run(16, (10, 16))
+    (held_10, _, _, _), (held_16, used_16, labels, _) = found[10], found[16]
+    assert held_16 <= 1.5 * used_16
+    assert abs(held_16 - held_10) <= 0.1 * held_10
+    parts = cgcompile.stats()["partitions"]
+    stopped = [p for p in parts if p["stopped"]]
+    assert stopped and all("do not repeat" in p["stopped"] for p in stopped)
+    kept = [p for p in parts if not p["stopped"] and p["calls"] > 8]
+    assert kept and sum(p["replays"] for p in kept) >= 0.8 * sum(p["calls"] for p in kept)
+    # labels: unique, naming the user's code
+    assert len(labels) == len(set(labels)) and all("moe.py:" in label for label in labels)
+
+
+def test_stats_and_the_capture_summary_count_every_call_of_a_partition(caplog):
+    model = mlp()
+    run = compiled(model)
+    caplog.set_level(logging.INFO, logger="cgcompile")
+    for i in range(5):
+        step(run, batch(4, i, dynamic=False))
+    # the summary comes at the first second use of a graph: call 3 (warmup, capture, replay)
+    (summary,) = messages(caplog, "captured 2 graphs")
+    assert summary.endswith("submod_0 3/1/1/2"), summary
+    row = partition_row()
+    assert row["calls"] == 5 and row["replays"] == 3 and row["misses"] == 2 and row["captures"] == 1
+    assert row["hit_rate"] == 0.6
+    labels = [g["label"] for g in cgcompile.stats()["graphs"]]
+    assert len(labels) == 2 and labels[0].endswith(" forward") and labels[1] == labels[0][:-len("forward")] + "backward"
+    assert "[4x8] params 0 #1" in labels[0]
