@@ -66,10 +66,14 @@ def _copies_to_cpu(node: fx.Node) -> bool:
 
 
 def _library_op_name(node: fx.Node) -> "str | None":
+    """'namespace::op' of a library op called through any of its overloads (some, like aten.slice, have no
+    default overload), else None."""
     target = node.target
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        target = target.default
-    return target.name() if isinstance(target, torch._ops.OpOverload) else None
+    if isinstance(target, torch._ops.OpOverload):
+        target = target.overloadpacket
+    if not isinstance(target, torch._ops.OpOverloadPacket):
+        return None
+    return str(target).replace(".", "::", 1)
 
 
 def _produces_unbacked_scalar(node: fx.Node) -> bool:
