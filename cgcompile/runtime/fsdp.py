@@ -9,7 +9,8 @@ the next all-gather, at a new address; a graph that read it would be captured ag
 - reshard_after_forward=True: keeping them would hold every layer unsharded at once, the memory this setting
   exists to save. The ops reading them are planned eager (reason `fsdp_resharded_params`, `resharded_inputs`)
   unless option `fsdp_keep_unsharded` asks to keep them as above.
-`cgcompile.release()` gives FSDP2 its own behaviour back and frees what it would have freed.
+`cgcompile.release()`, or the compiled frame going away, gives FSDP2 its own freeing back and frees what it
+would have freed.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ FSDP_RESHARDED = "fsdp_resharded_params"
 _NAMES_SHOWN = 4
 
 
-def _by_id(example_inputs: Sequence[Any]) -> Dict[int, _compat.FsdpParam]:
+def _fsdp_inputs(example_inputs: Sequence[Any]) -> Dict[int, _compat.FsdpParam]:
     """position -> FSDP2 parameter, for the inputs that are FSDP2 unsharded parameters ({} without FSDP2)."""
     params = {id(p.unsharded): p for p in _compat.fsdp2_params()}
     if not params:
@@ -52,7 +53,7 @@ def resharded_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], keep: bo
     fully_shard(reshard_after_forward=True) frees after forward (none when `keep`, option fsdp_keep_unsharded)."""
     if keep:
         return {}
-    found = _by_id(example_inputs)
+    found = _fsdp_inputs(example_inputs)
     names = _placeholders(gm)
     return {names[i].name: Finding(
         FSDP_RESHARDED, "-", None, None,
@@ -66,7 +67,7 @@ def resharded_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], keep: bo
 def keeper_for(gm: fx.GraphModule, example_inputs: Sequence[Any], captured_nodes: frozenset,
                graph: str) -> Optional["FsdpKeeper"]:
     """The keeper for a compiled frame whose captured partitions read FSDP2 parameters, else None."""
-    found = _by_id(example_inputs)
+    found = _fsdp_inputs(example_inputs)
     if not found:
         return None
     names = _placeholders(gm)
