@@ -25,6 +25,7 @@ from .passes import is_static_placeholder, node_location
 from .passes.common import frame_name
 from .passes.batch_rows import batch_layout, batch_padding_blocker, batch_symbol
 from .runtime.capture_sizes import BatchBuckets
+from .runtime.fsdp import keeper_for, resharded_inputs
 from .runtime.model_runtime import ModelRuntime
 from .runtime.partition_runner import compile_partition
 from .runtime.release import release
@@ -68,7 +69,8 @@ def make_plan(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGra
     hoist_scalar_input_reads(gm)
     pad_dynamic_rows(gm, config)
     graph_plan = plan_graph(gm, config, index, training=training, device=device_of(example_inputs),
-                            scope=scope or OFF_SCOPE, validate_tags=validate_tags)
+                            scope=scope or OFF_SCOPE, validate_tags=validate_tags,
+                            input_findings=resharded_inputs(gm, example_inputs, config.fsdp_keep_unsharded))
     if config.capture_sizes:
         sym = batch_symbol(gm)
         if sym is not None:
@@ -172,8 +174,13 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
         if wrapped is not submod:
             replace_submodule(split_gm, name, wrapped)
     forward = split_gm.forward
+    # FSDP2 parameters that captured partitions read keep their address (runtime/fsdp.py); None otherwise
+    keeper = keeper_for(gm, example_inputs, frozenset(n for p in captured for n in p.nodes),
+                        f"graph {graph_plan.index}")
 
     def run(*args: Any) -> Any:
+        if keeper is not None:
+            keeper.keep(args)
         return runtime.finish_frame_outputs(forward(*args))
 
     run.runtime = runtime  # type: ignore[attr-defined]  # for tests and tools

@@ -128,6 +128,10 @@ class CudaGraphConfig:
             a changing batch replays one graph per listed size; larger batches run eagerly (counted, logged
             once). Applied only where every op keeps the batch rows independent (the plan says why not).
             Positive ints, stored sorted and deduplicated; at most max_graphs_per_partition of them.
+        fsdp_keep_unsharded: FSDP2 parameters of fully_shard(reshard_after_forward=True) groups: keep them
+            unsharded between uses so the graphs reading them are captured (their unsharded bytes stay resident
+            on every rank, logged). Off: those graphs are planned eager (reason ``fsdp_resharded_params``).
+            Groups with reshard_after_forward=False are always kept (no extra peak memory).
         te: keyword arguments passed through to Transformer Engine's make_graphed_callables (read-only;
             compared, not hashed).
         migrations: the deprecated spellings :meth:`from_options` rewrote (not compared, so a config
@@ -149,6 +153,7 @@ class CudaGraphConfig:
     dynamic_padding: DynamicPadding = DynamicPadding.OFF
     dynamic_padding_buckets: tuple[int, ...] = ()
     capture_sizes: tuple[int, ...] = ()
+    fsdp_keep_unsharded: bool = False
     te: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _ReadOnlyMapping({}), hash=False)
     migrations: tuple[Migration, ...] = dataclasses.field(default=(), compare=False)
 
@@ -175,6 +180,7 @@ class CudaGraphConfig:
             "dynamic_padding": parse_enum("dynamic_padding", self.dynamic_padding, DynamicPadding),
             "dynamic_padding_buckets": _parse_buckets(self.dynamic_padding_buckets),
             "capture_sizes": _parse_capture_sizes(self.capture_sizes, self.max_graphs_per_partition),
+            "fsdp_keep_unsharded": parse_bool("fsdp_keep_unsharded", self.fsdp_keep_unsharded),
             "te": _parse_te(self.te),
             "migrations": _parse_migrations(self.migrations) + tuple(rewrites),
         }

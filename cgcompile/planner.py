@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 
 import difflib
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -98,9 +98,11 @@ def graph_tags(regions: Dict[fx.Node, RegionInfo]) -> List[str]:
 
 
 def plan_graph(gm: fx.GraphModule, config: CudaGraphConfig, index: int = 0, *, training: bool = True,
-               device: str = "cpu", scope: Optional[str] = None, validate_tags: bool = True) -> GraphPlan:
+               device: str = "cpu", scope: Optional[str] = None, validate_tags: bool = True,
+               input_findings: Optional[Mapping[str, Finding]] = None) -> GraphPlan:
     """Plan one Dynamo graph. `scope` is "layer" (module regions) or "block" (maximal capture-safe spans);
-    by default "block" for full_iteration, else "layer"."""
+    by default "block" for full_iteration, else "layer". `input_findings` (placeholder name -> Finding): inputs
+    no graph may read (e.g. FSDP2 parameters re-gathered at new addresses); the ops reading them stay eager."""
     if scope is None:
         scope = BLOCK_SCOPE if config.cuda_graph_impl == CudaGraphImpl.FULL_ITERATION else LAYER_SCOPE
     findings = analyze(gm)
@@ -125,6 +127,11 @@ def plan_graph(gm: fx.GraphModule, config: CudaGraphConfig, index: int = 0, *, t
                                      detail=f"inside eager_region {info.eager_module}")
         elif node in findings:
             blocking[node] = findings[node][0]
+        elif input_findings:
+            found = next((input_findings[a.name] for a in node.all_input_nodes if a.name in input_findings), None)
+            if found is not None:
+                blocking[node] = replace(found, op=op_name(node), location=node_location(node),
+                                         module=node_module_path(node))
     _keep_functorch_levels_whole(gm, regions, blocking)
 
     if scope == OFF_SCOPE:

@@ -149,9 +149,11 @@ def test_custom_module_names_are_plain_strings():
 
 
 def test_booleans_accept_bool_and_0_1():
-    config = from_options({"strict": 1, "strict_modules": True, "clone_outputs": 0})
-    assert (config.strict, config.strict_modules, config.clone_outputs) == (True, True, False)
-    assert all(type(v) is bool for v in (config.strict, config.strict_modules, config.clone_outputs))
+    config = from_options({"strict": 1, "strict_modules": True, "clone_outputs": 0, "fsdp_keep_unsharded": 1})
+    flags = (config.strict, config.strict_modules, config.clone_outputs, config.fsdp_keep_unsharded)
+    assert flags == (True, True, False, True)
+    assert all(type(v) is bool for v in flags)
+    assert error_of({"fsdp_keep_unsharded": "yes"}) == "fsdp_keep_unsharded must be True or False, got 'yes' (str)"
 
 
 def test_none_values_count_as_not_given():
@@ -629,6 +631,7 @@ def test_to_options_round_trip_and_json():
         "cuda_graph_warmup_steps": 3, "inner_compiler": "eager", "driver": "emulate", "min_partition_ops": 2,
         "max_graphs_per_partition": 8, "strict_modules": False, "strict": False, "clone_outputs": True,
         "verify": 2, "capture_sizes": [], "te": {"fp8": True}, "dynamic_padding": "off", "dynamic_padding_buckets": [],
+        "fsdp_keep_unsharded": False,
     }
     assert all(type(v) is str for v in options["cuda_graph_modules"])
     assert type(options["cuda_graph_impl"]) is str
