@@ -6,7 +6,7 @@ Each wrapper names the private API it uses and the torch versions it was checked
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -174,3 +174,18 @@ def dynamo_frame() -> tuple:
     code, f_locals = getattr(tx, "f_code", None), getattr(tx, "f_locals", None)
     resume = code is not None and code.co_name.startswith("torch_dynamo_resume_in_")
     return code, (f_locals if isinstance(f_locals, dict) else {}), resume
+
+
+def graph_input_source(node: Any) -> Optional[str]:
+    """The user-level name Dynamo gave a placeholder's value ("L['position_ids']"), or None.
+
+    Dynamo's private `grapharg` node meta (GraphArg.source); Source.name is a method on 2.11 and a property on
+    2.13. Checked 2.11, 2.13."""
+    source = getattr(getattr(node, "meta", {}).get("grapharg"), "source", None)
+    if source is None:
+        return None
+    try:
+        name = source.name
+        return name() if callable(name) else name
+    except Exception:
+        return None

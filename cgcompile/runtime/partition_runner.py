@@ -151,7 +151,7 @@ class _Family:
     def _capture(self, args: list, param_storages: frozenset) -> GraphInstance:
         part = self.part
         return capture_instance(self, part.name, part.describe(), self.kind, self.run, args, param_storages,
-                                self.mutated, part.runtime, part.driver)
+                                self.mutated, part.runtime, part.driver, part.input_names_of(args))
 
     def discard(self) -> None:
         for graph in self.graphs:
@@ -214,8 +214,10 @@ class PartitionRunner:
     permanent eager fallback. (`Partition` is the plan's record of the same partition, plan.py.)"""
 
     def __init__(self, submod: fx.GraphModule, name: str, static_input_indices: Sequence[int],
-                 runtime: ModelRuntime, location: Optional[str], driver: Driver):
+                 runtime: ModelRuntime, location: Optional[str], driver: Driver,
+                 input_names: Sequence[str] = ()):
         self.submod = submod
+        self.input_names = list(input_names)  # per submod input, how logs name it (see input_description)
         self.name = name
         self.location = location
         self.static_indices = frozenset(static_input_indices)
@@ -288,6 +290,13 @@ class PartitionRunner:
         found.discard(0)
         return found
 
+    def input_names_of(self, args: Sequence[Any]) -> List[Optional[str]]:
+        """Per argument of an aot graph, the name of the partition input it is (aot passes this call's
+        tensors through as they are), or None (a saved tensor, a tangent, a lifted parameter)."""
+        own = {id(arg): i for i, arg in enumerate(self._args or ())}
+        names = self.input_names
+        return [names[own[id(arg)]] if id(arg) in own and own[id(arg)] < len(names) else None for arg in args]
+
     def bank_size(self) -> int:
         """How many input signatures (graph-bank keys) have a compiled variant now."""
         return len(self.bank)
@@ -322,17 +331,18 @@ class PartitionRunner:
 
 def compile_partition(submod: fx.GraphModule, example_inputs: Sequence[Any], *, name: str,
                       static_input_indices: Sequence[int], runtime: ModelRuntime,
-                      location: Optional[str] = None) -> Callable[..., Any]:
+                      location: Optional[str] = None, input_names: Sequence[str] = ()) -> Callable[..., Any]:
     """Wrap one captured partition of a split Dynamo graph.
 
     Returns a callable with submod's calling convention (positional args; returns what submod returns).
     It compiles and captures lazily, at run time, with real tensors. `static_input_indices` are the
     positions of parameters/buffers (nn.Parameter arguments and tensors Dynamo marked with
-    `_dynamo_static_input_type` count as static too). `location` ("file:line") goes into fallback warnings.
+    `_dynamo_static_input_type` count as static too). `location` ("file:line") goes into fallback warnings,
+    `input_names` (per submod input) into a failed capture's reason.
     When nothing would be captured or compiled (eager driver and eager inner compiler), submod itself is
     returned: the cheapest host path.
     """
     driver = runtime.driver_for(example_inputs)
     if not driver.captures and str(runtime.config.inner_compiler) == "eager":
         return submod
-    return PartitionRunner(submod, name, static_input_indices, runtime, location, driver)
+    return PartitionRunner(submod, name, static_input_indices, runtime, location, driver, input_names)
