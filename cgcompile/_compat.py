@@ -189,3 +189,11 @@ def graph_input_source(node: Any) -> Optional[str]:
         return name() if callable(name) else name
     except Exception:
         return None
+
+
+def explain_recorder(backend: Callable) -> Any:
+    """A Dynamo backend that records each graph and break reason as torch._dynamo.explain does, then hands the
+    graph to `backend`; `.output()` gives the same ExplainOutput. torch._dynamo.backends.debugging's
+    ExplainWithBackend (private, used by torch's own tests). Checked 2.11, 2.13."""
+    from torch._dynamo.backends.debugging import ExplainWithBackend
+    return ExplainWithBackend(backend)
