@@ -245,3 +245,8 @@ def test_bench_cpu_quick_table():
     assert list(padding) == ["eager", "off", "max", "buckets"]
     assert float(padding["max"][5]) == 0.0  # host syncs per step with dynamic_padding="max"
     assert float(padding["max"][1]) < float(padding["eager"][1]) / 4  # kernel ops outside graphs
+    if "HF MoE (e): skipped" not in out:  # transformers installed: its quick run is bf16 only
+        hf = {line.split()[1]: line.split() for line in out.split("HF MoE (e)")[1].splitlines()[2:4]}
+        assert list(hf) == ["eager", "captured"] and hf["eager"][0] == "bfloat16"
+        assert float(hf["captured"][2]) < float(hf["eager"][2]) / 4  # kernel ops outside graphs
+        assert float(hf["captured"][7]) > 0  # graph replays per step (after "<= 0.05x" and the syncs)
