@@ -80,4 +80,7 @@ class TestUncopyableInputWording(expecttest.TestCase):
             got.sum().backward()
         [fallback] = cgcompile.stats()["eager_fallbacks"]
         reason = re.sub(r"test_runtime_layouts.py:\d+", "test_runtime_layouts.py:N", fallback["reason"])
-        self.assertExpectedInline(reason, """capturing its forward graph failed: CaptureError: argument `position_ids` (read at test_runtime_layouts.py:N) cannot be copied into a static buffer: its memory overlaps itself (strides (1, 1) for shape (3, 3), e.g. from as_strided or unfold), which no static buffer can mirror; pass .contiguous() there""")
+        self.assertExpectedInline(reason, """\
+capturing its forward graph failed: CaptureError: argument `position_ids` (read at test_runtime_layouts.py:N) \
+cannot be copied into a static buffer: its memory overlaps itself (strides (1, 1) for shape (3, 3), e.g. from \
+as_strided or unfold), which no static buffer can mirror; pass .contiguous() there""")
