@@ -15,6 +15,9 @@ puts the drift on both sides of a ratio):
       padding adds (the profiler's estimate), eager/off/max/buckets.
   (e) the graph bank on the same MoE with 512 new tokens a step, 40 steps, default options, off/buckets/max: live
       graphs, bytes they hold between steps against the bytes of the graphs one step uses, replays per call.
+  (f) a Hugging Face transformers Mixtral (benchmarks/hf_moe.py, default experts implementation,
+      cuda_graph_modules=[]) training step with new tokens every step, fp32 and bf16 weights: the same counts
+      as (d), vs eager. Goal: host kernel ops outside graphs <= 5% of eager's. Skipped without transformers.
 Torch runs on one intra-op thread: the quantities are Python-bound, and one thread is far less sensitive to
 other processes on a small machine.
 
@@ -40,6 +43,7 @@ import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # for tests.models
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for hf_moe
 
 import torch  # noqa: E402
 
@@ -259,6 +263,48 @@ def print_bank(results: dict, steps: int) -> None:
               f"  {r['released']:>8}  {r['stops']:>5}  {'PASS' if ok else 'MISS'}")
     print(f"goals: held <= {BANK_GOALS['held_vs_step']}x the step's graphs, step {last} within "
           f"{BANK_GOALS['drift']:.0%} of step {first}, kept hit rate >= {BANK_GOALS['kept_hit_rate']:.0%}, unique labels")
+HF_GOAL = 0.05  # host kernel ops outside graphs per training step, vs eager
+
+
+def bench_hf(warmup: int, steps: int, dtypes=(torch.float32, torch.bfloat16)) -> dict:
+    """(f) {(dtype, mode): per-step counts} for the HF Mixtral training step, eager vs captured (emulate)."""
+    import hf_moe
+    from cgcompile.profiling import HostOpCounter
+    results = {}
+    for dtype in dtypes:
+        for mode in ("eager", "captured"):
+            torch._dynamo.reset()
+            model = hf_moe.build(dtype=dtype)
+            if model is None:
+                return {}
+            run = model if mode == "eager" else torch.compile(model, backend=OURS, options={
+                "driver": "emulate", "cuda_graph_modules": [], "cuda_graph_warmup_steps": 1})
+            step = hf_moe.make_step(model, run, batch=2, seq=16)
+            for _ in range(warmup):
+                step()
+            with HostOpCounter() as counter:
+                for _ in range(steps):
+                    step()
+            results[(str(dtype).replace("torch.", ""), mode)] = (
+                counter.ops / steps, counter.syncs / steps, counter.replays / steps, counter.flops / steps)
+    return results
+
+
+def print_hf(results: dict) -> None:
+    if not results:
+        print("\nHF MoE (f): skipped, transformers is not installed")
+        return
+    print("\nHF MoE (f): transformers Mixtral, 2 layers, d=32, 4 experts top-2, default experts implementation, "
+          "tokens (2, 16), new tokens every step, driver=emulate, cuda_graph_modules=[]: per training step")
+    print("dtype     mode      host kernel ops  vs eager  goal      host syncs  graph replays  matmul FLOPs vs eager  "
+          "result")
+    for (dtype, mode), (ops, syncs, replays, flops) in results.items():
+        eager_ops, eager_flops = results[(dtype, "eager")][0], results[(dtype, "eager")][3]
+        goal = HF_GOAL if mode != "eager" else None
+        verdict = ("PASS" if ops / eager_ops <= goal else "MISS") if goal else ""
+        goal_text = f"<= {goal:.2f}x" if goal else ""
+        print(f"{dtype:<8}  {mode:<8}  {ops:>15.1f}  {ops / eager_ops:>7.2f}x  {goal_text:<8}  {syncs:>10.1f}  "
+              f"{replays:>13.1f}  {flops / eager_flops:>20.2f}x  {verdict}".rstrip())
 
 
 def main(argv=None) -> int:
@@ -308,6 +354,8 @@ def main(argv=None) -> int:
         bank_steps = 16 if args.quick else 40  # the last 10 steps of a quick run are past warmup too
         print_bank({mode: bench_bank(mode, bank_steps, (10, bank_steps)) for mode in ("off", "buckets", "max")},
                    bank_steps)
+        print_hf(bench_hf(warmup=2 if args.quick else 4, steps=2 if args.quick else 8,
+                          dtypes=(torch.bfloat16,) if args.quick else (torch.float32, torch.bfloat16)))
         print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
         if args.profile:

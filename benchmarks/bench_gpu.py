@@ -14,6 +14,9 @@ Launch-bound workloads, each run under every variant:
              d=512, bf16, fixed batch: static cache in buffers written in place at a tensor position (gpt-fast
              style), after an eager prefill.
   decode-varying: the same step with a batch that changes every step (1..--max-batch), as a server sees it.
+  hf-mixtral: a transformers MixtralForCausalLM training step (benchmarks/hf_moe.py, default experts
+             implementation, cuda_graph_modules=[]), same sizes, new tokens every step. Run only when named in
+             --models (it needs transformers); gpu_check.py names every model starting with "hf".
 Variants: eager, inductor (torch.compile default), reduce-overhead (torch.compile mode="reduce-overhead"),
 cg-local-eager / cg-local-inductor (backend="cudagraph_modules", cuda_graph_impl="local", inner_compiler eager /
 inductor, the workload's recommended cuda_graph_modules), the same with "+sizes" (option capture_sizes: the
@@ -65,19 +68,22 @@ import warnings
 from typing import Callable, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for tests.models
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for hf_moe
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import cgcompile  # noqa: E402
 from cgcompile import profiling  # noqa: E402
+import hf_moe  # noqa: E402
 from tests.models import MODELS as TEST_MODELS  # noqa: E402
 from tests.models import kv_gpt  # noqa: E402
 
 PADDED_VARIANTS = ("cg-local-eager+max", "cg-local-eager+buckets", "cg-local-inductor+max", "cg-full-iteration+max")
 VARIANTS = ("eager", "inductor", "reduce-overhead", "cg-local-eager", "cg-local-inductor", "cg-full-iteration",
             "cg-local-eager+sizes", "cg-local-inductor+sizes") + PADDED_VARIANTS
-MODELS = ("moe", "moe-fixed", "mixtral", "decode", "decode-varying")
+MODELS = ("moe", "moe-fixed", "mixtral", "decode", "decode-varying", "hf-mixtral")
+DEFAULT_MODELS = tuple(m for m in MODELS if not m.startswith("hf"))  # HF rows need transformers: run when named
 NEW_TOKEN_MOE = ("moe", "mixtral")  # the workloads the captured-experts goal is about
 COMPILE_CALLS = 5  # covers cgcompile's default 3 warmup steps + capture, and reduce-overhead's warmup + record
 
@@ -141,6 +147,25 @@ def moe_workload(args, device, dtype, name: str = "moe") -> Workload:
              f"top-2, {str(dtype).replace('torch.', '')}, tokens ({args.batch}, {args.seq}), {feed}, {what}")
     return Workload(name, title, model, make_step, spec.options(), spec.dynamo_flags(), paddable=True,
                     settle_steps=max(3, len(pool)))
+
+
+def hf_workload(args, device, dtype) -> Workload:
+    """A Hugging Face transformers Mixtral (benchmarks/hf_moe.py) training step, transformers' default experts
+    implementation (grouped_mm: no host read), new tokens every step; cuda_graph_modules=[] captures each
+    decoder layer whole."""
+    model = hf_moe.build(layers=args.layers, hidden=args.d_model, experts=args.experts, heads=args.heads,
+                         dtype=dtype, device=device)
+    if model is None:
+        raise RuntimeError("transformers is not installed")
+
+    def make_step(fn):  # per variant: every variant sees the same sequence of batches
+        return hf_moe.make_step(model, fn, args.batch, args.seq, device, pool=args.token_pool)
+
+    title = (f"hf-mixtral: transformers MixtralForCausalLM training step (fwd+bwd), {args.layers} layers, "
+             f"d={args.d_model}, {args.experts} experts top-2, {str(dtype).replace('torch.', '')}, tokens "
+             f"({args.batch}, {args.seq}), new tokens every step, default experts implementation")
+    return Workload("hf-mixtral", title, model, make_step, {"cuda_graph_modules": []}, {},
+                    settle_steps=max(3, args.token_pool))
 
 
 def decode_workload(args, device, dtype, varying: bool = False) -> Workload:
@@ -467,7 +492,8 @@ def goal_rows(all_results: Dict[str, Dict[str, Result]], judged: bool = True) ->
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer timed and profiled steps")
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                        help=f"comma-separated: {', '.join(MODELS)} (default: all but the hf ones)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 100, quick 20)")
     parser.add_argument("--profile-steps", type=int, default=None, help="profiled steps (default 10, quick 3)")
@@ -518,7 +544,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     builders = {"moe": moe_workload, "moe-fixed": lambda *a: moe_workload(*a, name="moe-fixed"),
                 "mixtral": lambda *a: moe_workload(*a, name="mixtral"), "decode": decode_workload,
-                "decode-varying": lambda *a: decode_workload(*a, varying=True)}
+                "decode-varying": lambda *a: decode_workload(*a, varying=True), "hf-mixtral": hf_workload}
     all_results: Dict[str, Dict[str, Result]] = {}
     for model_name in models:
         try:

@@ -7,7 +7,7 @@ Each wrapper names the private API it uses and the torch versions it was checked
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, List, NamedTuple, Sequence
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -246,3 +246,26 @@ def fsdp2_restore_free(handle: Any) -> None:
     del handle.free_unsharded_param
     if getattr(handle.sharded_state, "name", None) != "UNSHARDED":
         handle.free_unsharded_param()
+
+
+def graph_input_source(node: Any) -> Optional[str]:
+    """The user-level name Dynamo gave a placeholder's value ("L['position_ids']"), or None.
+
+    Dynamo's private `grapharg` node meta (GraphArg.source); Source.name is a method on 2.11 and a property on
+    2.13. Checked 2.11, 2.13."""
+    source = getattr(getattr(node, "meta", {}).get("grapharg"), "source", None)
+    if source is None:
+        return None
+    try:
+        name = source.name
+        return name() if callable(name) else name
+    except Exception:
+        return None
+
+
+def explain_recorder(backend: Callable) -> Any:
+    """A Dynamo backend that records each graph and break reason as torch._dynamo.explain does, then hands the
+    graph to `backend`; `.output()` gives the same ExplainOutput. torch._dynamo.backends.debugging's
+    ExplainWithBackend (private, used by torch's own tests). Checked 2.11, 2.13."""
+    from torch._dynamo.backends.debugging import ExplainWithBackend
+    return ExplainWithBackend(backend)

@@ -21,7 +21,7 @@ from .errors import ConfigError
 from .frame_root import anchor_module_stacks, frame_root
 from .logs import register_with_torch_logs
 from .padding import pad_dynamic_rows
-from .passes import is_static_placeholder, node_location
+from .passes import input_description, is_static_placeholder, node_location
 from .passes.common import frame_name
 from .passes.batch_rows import batch_layout, batch_padding_blocker, batch_symbol
 from .runtime.capture_sizes import BatchBuckets
@@ -153,6 +153,7 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
             and not runtime.driver.captures:
         return gm.forward  # nothing to capture or compile (e.g. driver=auto on CPU): splitting only adds calls
     static_names = {n.name for n in gm.graph.nodes if is_static_placeholder(n)}
+    by_name = {n.name: n for n in gm.graph.nodes}
     split_gm = split(gm, graph_plan)
     captured = [p for p in graph_plan.partitions if p.captured]
     names = [f"submod_{p.id}" for p in captured]
@@ -167,7 +168,8 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
         wrapped = compile_partition(
             submod, [n.meta.get("example_value") for n in inputs], name=f"graph {graph_plan.index} {name}",
             static_input_indices=[i for i, n in enumerate(inputs) if n.name in static_names], runtime=runtime,
-            location=first or _first_location(submod), frame=frame_name(submod))
+            location=first or _first_location(submod), frame=frame_name(submod),
+            input_names=[input_description(by_name[n.name]) if n.name in by_name else n.name for n in inputs])
         if config.verify:
             wrapped = VerifiedPartition(wrapped, submod, f"graph {graph_plan.index} {name}", config.verify,
                                         skip=config.cuda_graph_warmup_steps)

@@ -12,9 +12,11 @@ from typing import Any, List, Optional
 
 import torch
 
+from . import _compat
 from .backend import make_plan
 from .config import CudaGraphConfig
 from .diagnostics import format_plan
+from .frame_root import anchor_module_stacks, frame_root
 from .passes import module_regions
 from .plan import GraphBreak, GraphPlan
 from .planner import check_selected_tags, graph_tags
@@ -64,12 +66,24 @@ def _break_hint(reason: str) -> Optional[str]:
     return _DATA_DEPENDENT_BREAK_HINT if any(word in reason for word in data_dependent) else None
 
 
-def _run_dynamo_explain(fn, args, kwargs):
-    """torch._dynamo.explain (documented in torch.compiler troubleshooting; checked on torch 2.11 and 2.13).
+def _anchored_graph(gm, example_inputs):
+    """Anchor a graph's module stacks at the model while Dynamo still runs its frame, as the backend does: a
+    graph resumed after a break inside a module keeps that module's path and tag (frame_root.py)."""
+    anchor_module_stacks(gm, frame_root())
+    return gm.forward
 
-    Like torch's own explain it resets Dynamo's caches before and after, so compiled functions recompile on
-    their next call."""
-    return torch._dynamo.explain(fn)(*args, **kwargs)
+
+def _run_dynamo_explain(fn, args, kwargs):
+    """What torch._dynamo.explain returns (documented in torch.compiler troubleshooting), with module stacks
+    anchored at the model. Like torch's own explain it resets Dynamo's caches before and after, so compiled
+    functions recompile on their next call."""
+    recorder = _compat.explain_recorder(_anchored_graph)
+    torch._dynamo.reset()
+    try:
+        torch.compile(fn, backend=recorder)(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()
+    return recorder.output()
 
 
 def explain(model_or_fn, *args: Any, options: Optional[dict] = None, **kwargs: Any) -> Plan:

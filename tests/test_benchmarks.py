@@ -248,3 +248,8 @@ def test_bench_cpu_quick_table():
     bank = {line.split()[0]: line for line in out.split("graph bank (e)")[1].splitlines()[2:5]}
     assert list(bank) == ["off", "buckets", "max"]
     assert all(line.endswith("PASS") for line in bank.values()), bank  # memory bounded, kept graphs hit
+    if "HF MoE (f): skipped" not in out:  # transformers installed: its quick run is bf16 only
+        hf = {line.split()[1]: line.split() for line in out.split("HF MoE (f)")[1].splitlines()[2:4]}
+        assert list(hf) == ["eager", "captured"] and hf["eager"][0] == "bfloat16"
+        assert float(hf["captured"][2]) < float(hf["eager"][2]) / 4  # kernel ops outside graphs
+        assert float(hf["captured"][7]) > 0  # graph replays per step (after "<= 0.05x" and the syncs)

@@ -106,6 +106,17 @@ class BatchCentered(nn.Module):
         return y - y.mean(0)
 
 
+class BatchFlattened(nn.Module):
+    """Returns the batch folded into another dimension: padded rows could not be sliced back off."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x).flatten()
+
+
 @pytest.mark.parametrize("cls, op", [(BatchSoftmax, "softmax"), (BatchCentered, "mean")])
 def test_rows_mixed_across_the_batch_are_refused_and_still_exact(cls, op):
     torch.manual_seed(0)
@@ -129,16 +140,25 @@ def last_line(plan) -> str:
     return re.sub(r"(\.py):\d+", r"\1:LINE", line)
 
 
+def refusal_line(model) -> str:
+    """The capture_sizes line of explain() for a batch of 3 rows marked dynamic."""
+    torch._dynamo.reset()
+    x = torch.randn(3, 4)
+    torch._dynamo.mark_dynamic(x, 0)
+    return last_line(cgcompile.explain(model, x, options={"driver": "emulate", "capture_sizes": [4, 8]}))
+
+
 class TestCaptureSizesWording(expecttest.TestCase):
     def test_plan_says_why_padding_is_refused(self):
-        torch._dynamo.reset()
-        x = torch.randn(3, 4)
-        torch._dynamo.mark_dynamic(x, 0)
-        plan = cgcompile.explain(BatchSoftmax(), x, options={"driver": "emulate", "capture_sizes": [4, 8]})
-        self.assertExpectedInline(last_line(plan), """\
+        self.assertExpectedInline(refusal_line(BatchSoftmax()), """\
 capture_sizes [4, 8]: not applied, one graph per batch size: not_paddable: torch.softmax at \
 test_capture_sizes.py:LINE: softmax works across the sN rows (dim=0) (normalize over another dimension, or leave \
 this region eager)""")
+
+    def test_a_refused_output_names_the_op_and_line_producing_it(self):
+        self.assertExpectedInline(refusal_line(BatchFlattened()), """\
+capture_sizes [4, 8]: not applied, one graph per batch size: not_paddable: output at test_capture_sizes.py:LINE: \
+output flatten has a dimension mixing the batch sN with another size (return the batch as its own dimension)""")
 
     def test_plan_says_padding_is_applied(self):
         torch._dynamo.reset()

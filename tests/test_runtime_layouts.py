@@ -3,6 +3,9 @@ tests/gpu/test_gpu_layouts.py): a partition returning an expanded (stride-0) vie
 decode's `cache_position.expand(batch, 1)`), non-contiguous, storage-offset and empty tensors. Each replays
 like eager, with graphs captured and replayed and no eager fallback."""
 
+import re
+
+import expecttest
 import pytest
 import torch
 
@@ -61,3 +64,23 @@ def test_only_a_true_self_overlap_is_refused_with_a_reason():
     window = torch.arange(6.0).as_strided((3, 3), (1, 1))  # sliding windows share elements
     assert "as_strided" in uncopyable_reason(window)
     assert uncopyable_reason(torch.randn(4).expand(3, 4)) is None
+
+
+class TestUncopyableInputWording(expecttest.TestCase):
+    def test_a_failed_capture_names_the_users_argument_and_line(self):
+        """A sliding window cannot have a static buffer: the partition falls back to eager (still correct),
+        and the logged reason names the argument and the line that reads it, not an input index."""
+        compiled = torch.compile(add_positions, backend="cudagraph_modules", options=OPTIONS)
+        cgcompile.reset_stats()
+        for step in range(3):
+            x = torch.randn(3, 3, requires_grad=True)
+            window = torch.arange(6.0 + step).as_strided((3, 3), (1, 1))
+            got, want = compiled(x, window), add_positions(x, window)
+            assert torch.equal(got, want)
+            got.sum().backward()
+        [fallback] = cgcompile.stats()["eager_fallbacks"]
+        reason = re.sub(r"test_runtime_layouts.py:\d+", "test_runtime_layouts.py:N", fallback["reason"])
+        self.assertExpectedInline(reason, """\
+capturing its forward graph failed: CaptureError: argument `position_ids` (read at test_runtime_layouts.py:N) \
+cannot be copied into a static buffer: its memory overlaps itself (strides (1, 1) for shape (3, 3), e.g. from \
+as_strided or unfold), which no static buffer can mirror; pass .contiguous() there""")

@@ -180,3 +180,17 @@ def test_tags_and_module_paths_survive_a_graph_break_inside_a_tagged_module():
         torch.testing.assert_close(p.grad, q.grad)
     st = cgcompile.stats()
     assert st["graphs_captured"] >= 2 and st["replays"] > 0 and st["eager_fallbacks"] == []
+
+
+def test_explain_keeps_module_paths_and_tags_after_a_graph_break():
+    """explain() plans the same graphs as the backend: the resume function's partitions carry the module's path
+    and tag (before: module "-", and cuda_graph_modules=["blk"] found no module with that tag)."""
+    model = Host()
+    cgcompile.tag("blk")(model.layers[0])
+    plan = cgcompile.explain(model, torch.randn(3, 4),
+                             options={"driver": "emulate", "cuda_graph_modules": ["blk"], "min_partition_ops": 1})
+    assert len(plan.graphs) >= 2 and plan.graph_breaks
+    parts = [p for graph in plan.graphs for p in graph.partitions if "mul" in p.nodes or "h" in p.nodes]
+    assert len(parts) == 2
+    for part in parts:
+        assert (part.kind, part.tags, part.module) == ("capture", ("blk",), "layers.0")

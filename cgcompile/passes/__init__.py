@@ -10,7 +10,7 @@ from typing import Callable, Dict, List
 import torch.fx as fx
 
 from .collectives import find_data_dependent_collectives
-from .common import Finding, compute_nodes, is_static_placeholder, node_location, node_module_path, op_name
+from .common import Finding, compute_nodes, input_description, is_static_placeholder, node_location, node_module_path, op_name
 from .custom_ops import find_cudagraph_unsafe_ops
 from .dynamic_shapes import find_data_dependent_shapes
 from .mutation import find_input_mutations
@@ -19,7 +19,7 @@ from .scalar_inputs import find_scalar_input_reads
 from .sync_ops import find_host_syncs
 
 __all__ = [
-    "Finding", "RegionInfo", "analyze", "compute_nodes", "is_static_placeholder", "module_regions",
+    "Finding", "RegionInfo", "analyze", "compute_nodes", "input_description", "is_static_placeholder", "module_regions",
     "node_location", "node_module_path", "op_name",
 ]
 

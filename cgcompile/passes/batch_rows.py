@@ -11,7 +11,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .common import Finding, example_value, is_static_placeholder, sym_expr
+from .common import Finding, example_value, is_static_placeholder, node_location, node_module_path, sym_expr
 from .row_flow import exact_dims, row_flow
 
 __all__ = ["BatchLayout", "batch_layout", "batch_padding_blocker", "batch_symbol"]
@@ -64,7 +64,8 @@ def _boundary(gm: fx.GraphModule) -> Tuple[List[fx.Node], List[Any]]:
 
 
 def batch_padding_blocker(gm: fx.GraphModule, sym: Any) -> Optional[Finding]:
-    """Why padding the `sym` rows of this frame would not be exact, or None when it is.
+    """Why padding the `sym` rows of this frame would not be exact, or None when it is. A refused input is
+    located at the line that reads it, a refused output at the line of the op producing it.
 
     The row analysis is passes/row_flow.py (allow_sinks=False: padded rows must reach the outputs untouched),
     run over the graph without its output node, since the outputs carrying the rows are sliced back here.
@@ -72,11 +73,14 @@ def batch_padding_blocker(gm: fx.GraphModule, sym: Any) -> Optional[Finding]:
     placeholders, results = _boundary(gm)
     for node in placeholders:
         if _plain_dims(example_value(node), sym) is None:
-            return Finding("not_paddable", "input", None, None, hint="keep the batch as its own dimension",
+            read = next((n for n in node.users if node_location(n)), node)
+            return Finding("not_paddable", "input", node_location(read), node_module_path(read),
+                           hint="keep the batch as its own dimension",
                            detail=f"input {node.name} has a dimension mixing the batch {sym} with another size")
     for result in results:
         if isinstance(result, fx.Node) and _plain_dims(example_value(result), sym) is None:
-            return Finding("not_paddable", "output", None, None, hint="return the batch as its own dimension",
+            return Finding("not_paddable", "output", node_location(result), node_module_path(result),
+                           hint="return the batch as its own dimension",
                            detail=f"output {result.name} has a dimension mixing the batch {sym} with another size")
     graph = fx.Graph()
     graph.graph_copy(gm.graph, {})

@@ -88,6 +88,18 @@ def frame_name(gm: fx.GraphModule) -> str:
     return "?"
 
 
+def input_description(node: fx.Node) -> str:
+    """How a log names a value a partition takes from outside it: the user's argument and the line that reads
+    it, or the op that produced it and its line ("argument `position_ids` (read at modeling_llama.py:123)")."""
+    if node.op == "placeholder":
+        source = _compat.graph_input_source(node)
+        name = re.sub(r"^[LG]\.", "", _INDEX.sub(r".\1", source)) if source else node.name
+        read = next((loc for loc in map(node_location, node.users) if loc), None)
+        return f"argument `{name}`" + (f" (read at {short_location(read)})" if read else "")
+    location = node_location(node)
+    return f"`{node.name}` from {op_name(node)}" + (f" (created at {short_location(location)})" if location else "")
+
+
 def short_location(location: Optional[str]) -> str:
     """'file.py:12' for tables; the JSON keeps the full path."""
     return os.path.basename(location) if location else "?"

@@ -276,9 +276,11 @@ class GraphInstance:
 
 
 def capture_instance(owner: Any, partition: str, label: str, kind: str, run: Callable[[list], Any], args: list,
-                     param_storages: frozenset, mutated: frozenset, runtime: Any, driver: Driver) -> GraphInstance:
+                     param_storages: frozenset, mutated: frozenset, runtime: Any, driver: Driver,
+                     names: Sequence[Optional[str]] = ()) -> GraphInstance:
     """Capture `run` for `args` as a new instance and register it with `runtime` (the ModelRuntime): each
-    argument becomes a constant, a parameter read in place, a borrowed input or a copied-in owned buffer."""
+    argument becomes a constant, a parameter read in place, a borrowed input or a copied-in owned buffer.
+    `names` (per argument, where known) say in a CaptureError which user value an argument is."""
     lenders = runtime.lenders(args)
     kinds: List[str] = []
     inputs: List[Any] = []
@@ -298,7 +300,7 @@ def capture_instance(owner: Any, partition: str, label: str, kind: str, run: Cal
             inputs.append(arg.detach())
         else:
             kinds.append(OWNED)
-            inputs.append(static_buffer(arg, index))
+            inputs.append(static_buffer(arg, index, names[index] if index < len(names) else None))
     # Capturing runs the graph once (emulate; CUDA's warmup): undo its writes to inputs, or the replay
     # that produces this call's results would apply them a second time.
     with torch.no_grad():
@@ -330,6 +332,6 @@ def static_buffer(t: torch.Tensor, index: int, name: Optional[str] = None) -> to
     """A copy of t with t's exact layout (expanded, strided, offset or empty), owned by a graph."""
     reason = uncopyable_reason(t)
     if reason is not None:
-        raise CaptureError(f"input {name or index} cannot be copied into a static buffer: {reason}")
+        raise CaptureError(f"{name or f'input {index}'} cannot be copied into a static buffer: {reason}")
     with torch.no_grad():
         return static_copy(t)

@@ -179,7 +179,8 @@ class _Family:
         forward = self.variant.forward.instance_for(args) if self.kind == "backward" else None
         name = forward.name if forward is not None else part.graph_name(args, param_storages)
         graph = capture_instance(self, part.name, f"{name} {self.kind}", self.kind, self.run, args, param_storages,
-                                 self.mutated, part.runtime, part.driver)
+                                 self.mutated, part.runtime, part.driver,
+                                 part.input_names_of(args))
         graph.enter_bank(name, part.tick)
         return graph
 
@@ -244,8 +245,10 @@ class PartitionRunner:
     permanent eager fallback. (`Partition` is the plan's record of the same partition, plan.py.)"""
 
     def __init__(self, submod: fx.GraphModule, name: str, static_input_indices: Sequence[int],
-                 runtime: ModelRuntime, location: Optional[str], driver: Driver, frame: Optional[str] = None):
+                 runtime: ModelRuntime, location: Optional[str], driver: Driver, frame: Optional[str] = None,
+                 input_names: Sequence[str] = ()):
         self.submod = submod
+        self.input_names = list(input_names)  # per submod input, how logs name it (see input_description)
         self.name = name
         self.location = location
         self.static_indices = frozenset(static_input_indices)
@@ -332,6 +335,13 @@ class PartitionRunner:
             found.add(storage_ptr(tensor))
         found.discard(0)
         return found
+
+    def input_names_of(self, args: Sequence[Any]) -> List[Optional[str]]:
+        """Per argument of an aot graph, the name of the partition input it is (aot passes this call's
+        tensors through as they are), or None (a saved tensor, a tangent, a lifted parameter)."""
+        own = {id(arg): i for i, arg in enumerate(self._args or ())}
+        names = self.input_names
+        return [names[own[id(arg)]] if id(arg) in own and own[id(arg)] < len(names) else None for arg in args]
 
     def bank_size(self) -> int:
         """How many input signatures (graph-bank keys) have a compiled variant now."""
@@ -469,7 +479,8 @@ _FIX_HINT = ("Fix: dynamic_padding='buckets' (or 'max') with torch._dynamo.confi
 
 def compile_partition(submod: fx.GraphModule, example_inputs: Sequence[Any], *, name: str,
                       static_input_indices: Sequence[int], runtime: ModelRuntime,
-                      location: Optional[str] = None, frame: Optional[str] = None) -> Callable[..., Any]:
+                      location: Optional[str] = None, frame: Optional[str] = None,
+                      input_names: Sequence[str] = ()) -> Callable[..., Any]:
     """Wrap one captured partition of a split Dynamo graph.
 
     Returns a callable with submod's calling convention (positional args; returns what submod returns).
@@ -477,10 +488,11 @@ def compile_partition(submod: fx.GraphModule, example_inputs: Sequence[Any], *, 
     positions of parameters/buffers (nn.Parameter arguments and tensors Dynamo marked with
     `_dynamo_static_input_type` count as static too). `location` ("file:line") goes into fallback warnings,
     `frame` (the Dynamo frame's function and file:line) into the graphs' labels.
+    `input_names` (per submod input) into a failed capture's reason.
     When nothing would be captured or compiled (eager driver and eager inner compiler), submod itself is
     returned: the cheapest host path.
     """
     driver = runtime.driver_for(example_inputs)
     if not driver.captures and str(runtime.config.inner_compiler) == "eager":
         return submod
-    return PartitionRunner(submod, name, static_input_indices, runtime, location, driver, frame)
+    return PartitionRunner(submod, name, static_input_indices, runtime, location, driver, frame, input_names)
