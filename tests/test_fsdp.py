@@ -199,14 +199,14 @@ def test_kept_storage_is_freed_by_release(ranks, rank, run):
     result = ranks[rank][run]
     assert result["eager_held"] == result["released"] == result["shadowed"] == 0, result
     assert result["held"] == result["held_after"] > 0, result
-    assert result["kept_again"] == 16 and result["dropped"] == result["held_dropped"] == 0, result  # 8 per layer
+    assert result["kept_again"] == 24 and result["dropped"] == result["held_dropped"] == 0, result  # 12 per layer
 
 
 def test_log_names_the_kept_parameters_and_their_bytes(ranks):
     lines = ranks[0]["reshard=False"]["lines"]
     assert_expected_inline("\n".join(lines), """\
-cgcompile: graph 0: FSDP2 keeps 8 unsharded parameters resident for captured graphs, 50,304 bytes on this rank (it would free them after each use; cgcompile.release() lets it again): layers.0.attn.qkv.weight, layers.0.attn.qkv.bias, layers.0.attn.proj.weight, layers.0.attn.proj.bias and 4 more
-cgcompile: graph 0: FSDP2 keeps 8 unsharded parameters resident for captured graphs, 50,304 bytes on this rank (it would free them after each use; cgcompile.release() lets it again): layers.1.attn.qkv.weight, layers.1.attn.qkv.bias, layers.1.attn.proj.weight, layers.1.attn.proj.bias and 4 more""")
+cgcompile: graph 0: FSDP2 keeps 12 unsharded parameters resident for captured graphs, 50,816 bytes on this rank (it would free them after each use; cgcompile.release() lets it again): layers.0.ln1.weight, layers.0.ln1.bias, layers.0.attn.qkv.weight, layers.0.attn.qkv.bias and 8 more
+cgcompile: graph 0: FSDP2 keeps 12 unsharded parameters resident for captured graphs, 50,816 bytes on this rank (it would free them after each use; cgcompile.release() lets it again): layers.1.ln1.weight, layers.1.ln1.bias, layers.1.attn.qkv.weight, layers.1.attn.qkv.bias and 8 more""")
     keep = ranks[0]["reshard=True+keep"]["lines"]
     assert [line.split(":", 2)[2] for line in keep] == [line.split(":", 2)[2] for line in lines]  # graph index aside
 
