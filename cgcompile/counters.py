@@ -33,13 +33,16 @@ _state = _zero()
 
 def stats() -> Dict[str, Any]:
     """A snapshot of the counters since the last reset_stats(), plus `graphs`: one entry per captured graph
-    alive now (partition, label, kind, replays, pool_bytes, static_input_bytes, static_output_bytes), and
-    `partitions`: per captured partition its graph-bank accounting (calls, replays, misses, captures, ...; kept by
-    the partition since it was created or released, not reset here); see runtime/release.py."""
-    from .runtime.release import graph_memory, partition_stats
+    alive now (partition, label, kind, replays, pool_bytes, static_input_bytes, static_output_bytes, and for a
+    partition whose sizes vary its output `arena`, `arena_bytes`, `arena_output_bytes`), `graph_bytes`: what they
+    hold together (each arena once), and `partitions`: per captured partition its graph-bank accounting (calls,
+    replays, misses, captures, ...; kept by the partition since it was created or released, not reset here); see
+    runtime/release.py."""
+    from .runtime.release import graph_memory, held_bytes, partition_stats
     with _lock:
         snapshot = copy.deepcopy(_state)
     snapshot["graphs"] = graph_memory()
+    snapshot["graph_bytes"] = held_bytes(snapshot["graphs"])
     snapshot["partitions"] = partition_stats()
     return snapshot
 

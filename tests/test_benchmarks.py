@@ -245,9 +245,11 @@ def test_bench_cpu_quick_table():
     assert list(padding) == ["eager", "off", "max", "buckets"]
     assert float(padding["max"][5]) == 0.0  # host syncs per step with dynamic_padding="max"
     assert float(padding["max"][1]) < float(padding["eager"][1]) / 4  # kernel ops outside graphs
-    bank = {line.split()[0]: line for line in out.split("graph bank (e)")[1].splitlines()[2:5]}
-    assert list(bank) == ["off", "buckets", "max"]
-    assert all(line.endswith("PASS") for line in bank.values()), bank  # memory bounded, kept graphs hit
+    bank = {tuple(line.split()[:2]): line.split() for line in out.split("graph bank (e)")[1].splitlines()[2:6]}
+    assert list(bank) == [("off", "8x64"), ("buckets", "8x64"), ("max", "8x64"), ("buckets", "3x32")]
+    assert all(row[-1] == "PASS" for key, row in bank.items() if key[1] == "8x64"), bank  # bounded, kept graphs hit
+    held, own = bank[("buckets", "3x32")][3], bank[("buckets", "3x32")][4]  # held at the last step; no arenas
+    assert float(held.split("/")[1]) < float(own)  # bucket sizes that repeat share their outputs' memory
     if "HF MoE (f): skipped" not in out:  # transformers installed: its quick run is bf16 only
         hf = {line.split()[1]: line.split() for line in out.split("HF MoE (f)")[1].splitlines()[2:4]}
         assert list(hf) == ["eager", "captured"] and hf["eager"][0] == "bfloat16"

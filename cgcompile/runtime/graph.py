@@ -34,6 +34,9 @@ graph owns which memory, the live graphs, and the pool rules. The buffer rules, 
   then on, that instance stays unused, its memory being `.grad`).
 - Inputs the graph itself writes (Inductor keeps some input mutations in its graphs) are restored after
   capture, which runs the graph once, and copied back to the caller's tensor after each replay.
+- A partition whose input sizes vary writes the outputs of its graphs for different sizes into shared memory,
+  an output arena (arena.py): such a graph is also busy while its arena is, and its backward always hands out
+  aliases (autograd may hold a returned grad in an input buffer while another size's backward runs).
 """
 
 from __future__ import annotations
@@ -49,13 +52,15 @@ import torch.fx as fx
 from .. import _compat
 from ..counters import add as count
 from ..passes.common import written_args
+from .arena import ArenaGroup, OutputArena, OutputLayout, output_layouts, span_bytes, writing_into
 from .driver import CaptureError, CapturedGraph, Driver
+from .global_state import preserved_global_state
 from .layout import copy_into, same_repeats, static_copy, uncopyable_reason
 
 log = logging.getLogger("cgcompile")
 
-# How a call argument reaches a graph's static input.
-CONST, PARAM, BORROWED, OWNED = "const", "param", "borrowed", "owned"
+# How a call argument reaches a graph's static input (ARENA: not an argument, the output arena's views).
+CONST, PARAM, BORROWED, OWNED, ARENA = "const", "param", "borrowed", "owned", "arena"
 MISMATCH = object()  # match(): this graph was captured for other addresses/values; try another instance
 
 
@@ -107,6 +112,7 @@ class GraphInstance:
         self.owned: Dict[int, List[int]] = {}  # storage ptr -> [storage handle, use count when idle]
         self.borrowed_from: List[Tuple[GraphInstance, int, int]] = []  # (lender, storage ptr, references we keep)
         self.shared_index: Optional[int] = None
+        self.arena: Optional[OutputArena] = None  # where its outputs live, for a partition whose sizes vary
         self.replays = 0
         self.handed: List[weakref.ref] = []  # the aliases the last replay handed out
         self.free = False  # seen idle since its last replay: stays so until the next replay (see busy())
@@ -142,8 +148,15 @@ class GraphInstance:
             if ptr in lender.owned:
                 lender.owned[ptr][1] -= kept
         bw, self.bw = self.bw, None
+        if self.arena is not None:
+            self.arena.leave(self)
         self.borrowed_from, self.owned, self.captured = [], {}, None
         return bw
+
+    @property
+    def alive(self) -> bool:
+        """Still captured (not discarded): its memory claims count."""
+        return self.captured is not None
 
     # use -----------------------------------------------------------------------------------------------------
 
@@ -158,7 +171,7 @@ class GraphInstance:
     def mark_used(self, tick: int) -> None:
         self.last_use = tick
 
-    def attach_backward(self, bw: "GraphInstance") -> None:
+    def attach_backward(self, bw: Optional["GraphInstance"]) -> None:
         self.bw = bw
 
     def note_grads(self, cleared: bool) -> None:
@@ -166,20 +179,24 @@ class GraphInstance:
         self.cleared_streak = self.cleared_streak + 1 if cleared else 0
 
     def memory(self) -> Dict[str, int]:
-        """Bytes this graph holds: its pool reservation, its copied-in input buffers, its own outputs."""
+        """Bytes this graph holds: its pool reservation, its copied-in input buffers, its own outputs; and the
+        output arena it shares (once per arena in a total), with the bytes of it its outputs take."""
         inputs = self.captured.static_inputs
         nbytes = {_compat.storage_key(t)[0]: t.untyped_storage().nbytes() for t in inputs
                   if isinstance(t, torch.Tensor)}
         buffers = sum(nbytes[storage_ptr(t)] for t, k in zip(inputs, self.kinds) if k is OWNED)
         outputs = {storage_ptr(t): t.untyped_storage().nbytes() for t in self.captured.static_outputs
                    if isinstance(t, torch.Tensor) and storage_ptr(t) not in nbytes}
+        arena = self.arena
         return {"pool_bytes": self.captured.pool_bytes, "static_input_bytes": buffers,
-                "static_output_bytes": sum(outputs.values())}
+                "static_output_bytes": sum(outputs.values()), "arena": arena.name if arena is not None else None,
+                "arena_bytes": arena.nbytes if arena is not None else 0,
+                "arena_output_bytes": sum(span_bytes(t) for t, k in zip(inputs, self.kinds) if k is ARENA)}
 
     def owned_storages(self) -> List[Tuple[int, int]]:
         """Storages this graph owns: its copied-in input buffers and outputs not aliasing other inputs."""
         inputs = self.captured.static_inputs
-        foreign = {storage_ptr(t) for t, k in zip(inputs, self.kinds) if k in (PARAM, BORROWED)}
+        foreign = {storage_ptr(t) for t, k in zip(inputs, self.kinds) if k in (PARAM, BORROWED, ARENA)}
         found: Dict[int, int] = {}
         candidates = [t for t, k in zip(inputs, self.kinds) if k is OWNED] + list(self.captured.static_outputs)
         for t in candidates:
@@ -195,8 +212,12 @@ class GraphInstance:
         return self.cleared_streak >= 2
 
     def busy(self) -> bool:
+        """Is this graph, or the output arena it shares with other sizes (arena.py), in use?"""
+        return self.busy_alone() or (self.arena is not None and self.arena.busy())
+
+    def busy_alone(self) -> bool:
         """Is an alias from the last replay alive (e.g. saved for a pending backward), or does anything
-        besides the runtime still reference this graph's memory (a view, a `.detach()`ed copy)?
+        besides the runtime still reference this graph's own memory (a view, a `.detach()`ed copy)?
 
         Once idle, a graph stays idle until its next replay: new references to its memory come only from
         a replay's aliases, or from a borrower replaying on it, which needs a live reference already.
@@ -254,6 +275,8 @@ class GraphInstance:
                 if arg.data_ptr() != buf.data_ptr():
                     copy_into(buf, arg)
             self.free = False
+            if self.arena is not None:
+                self.arena.note_replay()
             outputs = list(self.captured.replay())
             for i in self.copy_back:
                 if args[i].data_ptr() != inputs[i].data_ptr():
@@ -277,10 +300,13 @@ class GraphInstance:
 
 def capture_instance(owner: Any, partition: str, label: str, kind: str, run: Callable[[list], Any], args: list,
                      param_storages: frozenset, mutated: frozenset, runtime: Any, driver: Driver,
-                     names: Sequence[Optional[str]] = ()) -> GraphInstance:
+                     names: Sequence[Optional[str]] = (), arenas: Optional[ArenaGroup] = None,
+                     layouts: Optional[List[OutputLayout]] = None) -> GraphInstance:
     """Capture `run` for `args` as a new instance and register it with `runtime` (the ModelRuntime): each
     argument becomes a constant, a parameter read in place, a borrowed input or a copied-in owned buffer.
-    `names` (per argument, where known) say in a CaptureError which user value an argument is."""
+    `names` (per argument, where known) say in a CaptureError which user value an argument is. With `arenas`
+    (a partition whose sizes vary) its fresh outputs go into an output arena of that group (arena.py);
+    `layouts` are its outputs' layouts when known (else one eager run finds them)."""
     lenders = runtime.lenders(args)
     kinds: List[str] = []
     inputs: List[Any] = []
@@ -305,17 +331,51 @@ def capture_instance(owner: Any, partition: str, label: str, kind: str, run: Cal
     # that produces this call's results would apply them a second time.
     with torch.no_grad():
         saved = {i: inputs[i].clone() for i in mutated if isinstance(inputs[i], torch.Tensor)}
-    pool, shared = runtime.pool()
+    arena = None
+    if arenas is not None:
+        if layouts is None:
+            layouts = _probe_layouts(run, inputs, saved, runtime.device)
+        arena = arenas.place(owner, layouts, runtime.device)
+    fn, before = run, {}
+    if arena is not None:  # its views become static inputs after the arguments; the graph copies into them
+        pool, shared = arena.pool, False
+        before = arena.use_counts()
+        placed = arena.views(layouts)
+        fn = writing_into(run, [j for j, _ in placed], len(inputs))
+        kinds += [ARENA] * len(placed)
+        inputs += [view for _, view in placed]
+        del placed
+    else:
+        pool, shared = runtime.pool()
     start = time.perf_counter()
-    captured = driver.capture(run, inputs, pool)
+    captured = driver.capture(fn, inputs, pool)
     seconds = time.perf_counter() - start
+    _restore(inputs, saved)
+    graph = GraphInstance(owner, partition, label, kind, captured, kinds, param_storages, seconds, mutated)
+    graph.arena = arena
+    del inputs, captured, saved
+    runtime.register(graph, shared, lenders, arena)
+    if arena is not None:
+        arena.join(owner, graph, before)
+    return graph
+
+
+def _restore(inputs: List[Any], saved: Dict[int, torch.Tensor]) -> None:
     with torch.no_grad():
         for i, value in saved.items():
             inputs[i].copy_(value)
-    graph = GraphInstance(owner, partition, label, kind, captured, kinds, param_storages, seconds, mutated)
-    del inputs, captured, saved
-    runtime.register(graph, shared, lenders)
-    return graph
+
+
+def _probe_layouts(run: Callable[[list], Any], inputs: List[Any], saved: Dict[int, torch.Tensor],
+                   device: torch.device) -> List[OutputLayout]:
+    """Run the graph once eagerly to learn its outputs' layouts (an arena is sized before capture), leaving
+    random generators and the inputs it writes as they were."""
+    with preserved_global_state(rng=True), torch.no_grad():
+        outputs = list(run(list(inputs)))
+    layouts = output_layouts(outputs, inputs, device)
+    del outputs
+    _restore(inputs, saved)
+    return layouts
 
 
 # --- static input buffers, written inputs --------------------------------------------------------------------

@@ -20,6 +20,7 @@ from .. import _compat
 from ..counters import add as count
 from . import release as releases
 from .driver import Driver, EagerDriver, get_driver
+from .arena import OutputArena
 from .graph import GraphInstance, storage_ptr
 
 log = logging.getLogger("cgcompile")
@@ -50,7 +51,7 @@ class ModelRuntime:
         self.config = config
         self.device = torch.device(device)
         self.driver: Driver = get_driver(str(config.driver), self.device)
-        self._owners: Dict[int, GraphInstance] = {}  # storage data_ptr -> graph owning that memory
+        self._owners: Dict[int, Any] = {}  # storage data_ptr -> graph (or output arena) owning that memory
         self._shared: List[Optional[GraphInstance]] = []  # shared-pool graphs in capture order (None: discarded)
         self._shared_pool: Any = None
         self._wave_open = True
@@ -141,7 +142,8 @@ class ModelRuntime:
             return _EAGER
         return self.driver
 
-    def owner(self, t: torch.Tensor) -> Optional[GraphInstance]:
+    def owner(self, t: torch.Tensor) -> Any:
+        """The GraphInstance or OutputArena owning t's memory, or None."""
         return self._owners.get(storage_ptr(t)) if self._owners else None
 
     def pool(self) -> Tuple[Any, bool]:
@@ -152,7 +154,7 @@ class ModelRuntime:
             return self._shared_pool, True
         return self.driver.new_pool(), False
 
-    def lenders(self, args: Sequence[Any]) -> Dict[int, Tuple[GraphInstance, int, int]]:
+    def lenders(self, args: Sequence[Any]) -> Dict[int, Tuple[Any, int, int]]:
         """For the arguments living in our graphs' memory: storage ptr -> (owner, handle, use count now)."""
         found: Dict[int, Tuple[GraphInstance, int, int]] = {}
         for arg in args:
@@ -162,8 +164,10 @@ class ModelRuntime:
                     found[ptr] = (self._owners[ptr], sid, _compat.storage_use_count(sid))
         return found
 
-    def register(self, graph: GraphInstance, shared: bool, lenders: Dict[int, Tuple[GraphInstance, int, int]]) -> None:
-        """Record a new graph's memory: what it owns (with use-count baselines) and what it borrows.
+    def register(self, graph: GraphInstance, shared: bool, lenders: Dict[int, Tuple[Any, int, int]],
+                 arena: Optional[OutputArena] = None) -> None:
+        """Record a new graph's memory: what it owns (with use-count baselines), what it borrows, and the output
+        arena it writes into (which owns that memory, arena.py).
 
         `lenders` was measured before the capture with the same caller references alive, so the growth
         of each lender's use count is exactly the references the new graph keeps (its held inputs, outputs
@@ -172,8 +176,11 @@ class ModelRuntime:
         for ptr, sid in graph.owned_storages():
             graph.own(ptr, sid)
             self._owners[ptr] = graph
+        if arena is not None:
+            for ptr in arena.owned:
+                self._owners[ptr] = arena
         for ptr, (lender, sid, before) in lenders.items():
-            if lender.captured is not None and ptr in lender.owned:
+            if lender.alive and ptr in lender.owned:
                 graph.borrow(lender, ptr, _compat.storage_use_count(sid) - before)
         graph.settle(len(self._shared) if shared else None)
         if shared:
@@ -204,7 +211,13 @@ class ModelRuntime:
         if graph.shared_index is not None:
             self._shared[graph.shared_index] = None
         self._live.pop(id(graph), None)
-        self.discard(graph.forget())
+        arena = graph.arena
+        backward = graph.forget()
+        if arena is not None and not arena.alive:  # its last member: the arena's memory goes with it
+            for ptr in arena.owned:
+                if self._owners.get(ptr) is arena:
+                    del self._owners[ptr]
+        self.discard(backward)
 
     def may_replay(self, graph: GraphInstance) -> bool:
         """Pool rule (see class docstring): no later-captured shared-pool graph may be busy."""

@@ -27,6 +27,7 @@ import torch.fx as fx
 from .. import _compat
 from ..counters import add as count, record
 from . import bank_policy
+from .arena import ArenaGroup, OutputLayout, output_layouts
 from .driver import Driver
 from .global_state import preserved_global_state
 from .graph import MISMATCH, GraphInstance, capture_instance, is_static_tensor, mutated_inputs, storage_ptr
@@ -51,6 +52,15 @@ class _Family:
         self.mutated = mutated  # inputs the graph itself writes (Inductor keeps some input mutations)
         self.calls = 0
         self.graphs: List[GraphInstance] = []  # forward/inference instances
+        self.layouts: Optional[List[OutputLayout]] = None  # its outputs' layouts, seen in an eager run (arenas)
+
+    def run_eagerly(self, args: list) -> Any:
+        """The uncaptured graph; for a partition whose sizes vary, its outputs' layouts are noted on the way
+        (an output arena is sized before capture, arena.py)."""
+        out = self.run(args)
+        if self.part.sized and self.layouts is None:
+            self.layouts = output_layouts(list(out), args, self.part.runtime.device)
+        return out
 
     def __call__(self, args: list) -> Any:
         part = self.part
@@ -64,7 +74,7 @@ class _Family:
         counters.calls += 1
         if self.calls <= part.config.cuda_graph_warmup_steps:
             counters.misses += 1
-            return self.run(args)
+            return self.run_eagerly(args)
         out = self._forward(args)
         part.judge()
         if part.tick >= part.next_sweep:
@@ -133,7 +143,7 @@ class _Family:
         forward = self.variant.forward
         instance = forward.instance_for(args) if forward is not None else None
         if instance is None or instance.captured is None:
-            return self.run(args)  # its forward ran eagerly (warmup, cap, fallback)
+            return self.run_eagerly(args)  # its forward ran eagerly (warmup, cap, fallback)
         runtime = self.part.runtime
         if instance.bw is None:
             try:
@@ -146,7 +156,9 @@ class _Family:
             return self.run(args)  # e.g. a second backward through the same forward (retain_graph)
         bw = instance.bw
         bw.note_grads(self._grads_cleared(instance))
-        return bw.replay(args, runtime, alias=bw.steal)
+        # An arena's memory is shared with other sizes: hand out aliases, whose lives the arena can see (autograd
+        # may hold a returned grad in an input buffer until another size's backward has run).
+        return bw.replay(args, runtime, alias=bw.steal or bw.arena is not None)
 
     @staticmethod
     def _grads_cleared(instance: GraphInstance) -> bool:
@@ -178,16 +190,25 @@ class _Family:
         part = self.part
         forward = self.variant.forward.instance_for(args) if self.kind == "backward" else None
         name = forward.name if forward is not None else part.graph_name(args, param_storages)
+        arenas = part.arena_group(self.kind, param_storages) if part.sized else None
         graph = capture_instance(self, part.name, f"{name} {self.kind}", self.kind, self.run, args, param_storages,
-                                 self.mutated, part.runtime, part.driver,
-                                 part.input_names_of(args))
+                                 self.mutated, part.runtime, part.driver, part.input_names_of(args),
+                                 arenas, self.layouts)
         graph.enter_bank(name, part.tick)
+        if arenas is not None:
+            part.retire_superseded(arenas)
         return graph
 
     def discard(self) -> None:
         for graph in self.graphs:
             self.part.runtime.discard(graph)
         self.graphs = []
+
+    def drop_backward(self, bw: GraphInstance) -> None:
+        """Forget the backward graph `bw` of whichever of these forward instances owns it (captured again later)."""
+        for graph in self.graphs:
+            if graph.bw is bw:
+                graph.attach_backward(None)
 
 
 # --- one input signature of a partition ----------------------------------------------------------------------
@@ -246,7 +267,7 @@ class PartitionRunner:
 
     def __init__(self, submod: fx.GraphModule, name: str, static_input_indices: Sequence[int],
                  runtime: ModelRuntime, location: Optional[str], driver: Driver, frame: Optional[str] = None,
-                 input_names: Sequence[str] = ()):
+                 input_names: Sequence[str] = (), sized: bool = False):
         self.submod = submod
         self.input_names = list(input_names)  # per submod input, how logs name it (see input_description)
         self.name = name
@@ -273,6 +294,10 @@ class PartitionRunner:
         self.frame = frame or (os.path.basename(location) if location else "?")
         self._param_set_ids: Dict[frozenset, int] = {}
         self._serial = 0
+        # Input sizes that vary (symbolic in the trace): graphs of one kind and parameter set write their outputs
+        # into shared output arenas (arena.py), so memory follows the largest size, not the number of sizes.
+        self.sized = sized
+        self._arena_groups: Dict[Tuple[str, frozenset], ArenaGroup] = {}
         runtime.add_runner(self)
 
     def __call__(self, *args: Any) -> Any:
@@ -342,6 +367,14 @@ class PartitionRunner:
         own = {id(arg): i for i, arg in enumerate(self._args or ())}
         names = self.input_names
         return [names[own[id(arg)]] if id(arg) in own and own[id(arg)] < len(names) else None for arg in args]
+
+    def arena_group(self, kind: str, param_storages: frozenset) -> ArenaGroup:
+        """The output arenas of this partition's `kind` graphs for one parameter set."""
+        key = (kind, param_storages)
+        if key not in self._arena_groups:
+            params = self._param_set_ids.setdefault(param_storages, len(self._param_set_ids))
+            self._arena_groups[key] = ArenaGroup(f"{self.name} params {params} {kind}", self.driver.new_pool)
+        return self._arena_groups[key]
 
     def bank_size(self) -> int:
         """How many input signatures (graph-bank keys) have a compiled variant now."""
@@ -429,6 +462,20 @@ class PartitionRunner:
             log.info("cgcompile: %s: released %d graph(s) (%s), their memory returned; later releases are counted "
                      "in stats()['partitions']", self.describe(), released, why)
 
+    def retire_superseded(self, group: ArenaGroup) -> None:
+        """Release the graphs of the idle arenas a larger size superseded (arena.py): each size captures again into
+        a full-size arena at its next call. A backward graph leaves its forward instance, which re-captures it."""
+        graphs = [graph for arena in group.superseded_idle() for graph in arena.member_graphs()]
+        for graph in graphs:
+            if graph.kind == "backward" and graph.captured is not None:
+                graph.owner.variant.forward.drop_backward(graph)
+                self.runtime.discard(graph)
+                self.counters.releases += 1
+                count("graphs_released")
+        self.release_graphs([graph for graph in graphs if graph.kind != "backward"],
+                            "a larger input size needs more output memory: its size captures again into the "
+                            "larger output arena")
+
     def stop(self, reason: str) -> None:
         """Stop capturing new sizes for good: log once with the fix, count, release the graphs never replayed.
         The graphs it keeps still replay; other sizes run eagerly."""
@@ -461,6 +508,7 @@ class PartitionRunner:
         for variant in self.bank.values():
             variant.discard()
         self.bank, self.graph_counts = {}, {}
+        self._arena_groups = {}
         self.counters = bank_policy.BankCounters()
         self.unjudged.clear()
 
@@ -488,11 +536,14 @@ def compile_partition(submod: fx.GraphModule, example_inputs: Sequence[Any], *, 
     positions of parameters/buffers (nn.Parameter arguments and tensors Dynamo marked with
     `_dynamo_static_input_type` count as static too). `location` ("file:line") goes into fallback warnings,
     `frame` (the Dynamo frame's function and file:line) into the graphs' labels.
-    `input_names` (per submod input) into a failed capture's reason.
+    `input_names` (per submod input) into a failed capture's reason. A partition with a symbolic size among its
+    example inputs (its sizes vary) shares output memory across sizes (arena.py).
     When nothing would be captured or compiled (eager driver and eager inner compiler), submod itself is
     returned: the cheapest host path.
     """
     driver = runtime.driver_for(example_inputs)
     if not driver.captures and str(runtime.config.inner_compiler) == "eager":
         return submod
-    return PartitionRunner(submod, name, static_input_indices, runtime, location, driver, frame, input_names)
+    sized = any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
+        isinstance(d, torch.SymInt) for d in v.shape)) for v in example_inputs)
+    return PartitionRunner(submod, name, static_input_indices, runtime, location, driver, frame, input_names, sized)

@@ -15,7 +15,7 @@ from typing import Any, Dict, List
 
 import torch
 
-__all__ = ["graph_memory", "holders", "register", "release"]
+__all__ = ["graph_memory", "held_bytes", "holders", "register", "release"]
 
 _holders: "weakref.WeakSet[Any]" = weakref.WeakSet()  # objects with release() (and maybe graph_memory())
 
@@ -56,3 +56,11 @@ def graph_memory() -> List[Dict[str, Any]]:
         if describe is not None:
             rows.extend(describe())
     return rows
+
+
+def held_bytes(rows: List[Dict[str, Any]]) -> int:
+    """Bytes the graphs of `rows` (graph_memory()) hold together: each graph's pool, input buffers and own
+    outputs, and each output arena once however many graphs share it."""
+    arenas = {row["arena"]: row["arena_bytes"] for row in rows if row.get("arena")}
+    return sum(row["pool_bytes"] + row["static_input_bytes"] + row["static_output_bytes"] for row in rows) + sum(
+        arenas.values())
