@@ -265,13 +265,14 @@ def print_bank(results: dict, steps: int) -> None:
         ok = (ratio <= BANK_GOALS["held_vs_step"] and drift <= BANK_GOALS["drift"]
               and r["kept_hit_rate"] >= BANK_GOALS["kept_hit_rate"] and r["labels_unique"])
         verdict = ("PASS" if ok else "MISS") if tokens == BANK_BATCH else "-"  # the goals are for BANK_BATCH
-        print(f"{mode:<8}  {tokens[0]}x{tokens[1]:<5}  {live_a:>8}/{live_b:<6}  {held_a / 2**20:>6.2f}/{held_b / 2**20:<6.2f}"
-              f"  {r['unshared'] / 2**20:>15.2f}  {used_b / 2**20:>17.2f}"
+        print(f"{mode:<8}  {tokens[0]}x{tokens[1]:<5}  {live_a:>8}/{live_b:<6}"
+              f"  {held_a / 2**20:>6.2f}/{held_b / 2**20:<6.2f}  {r['unshared'] / 2**20:>15.2f}  {used_b / 2**20:>17.2f}"
               f"  {ratio:>8.2f}x  {r['replays_per_call']:>12.2f}  {r['kept_hit_rate']:>13.2f}  {r['captured']:>8}"
               f"  {r['released']:>8}  {r['stops']:>5}  {verdict}")
-    print(f"goals (tokens {BANK_BATCH[0]}x{BANK_BATCH[1]}): held <= {BANK_GOALS['held_vs_step']}x the step's graphs, step "
-          f"{last} within {BANK_GOALS['drift']:.0%} of step {first}, kept hit rate >= {BANK_GOALS['kept_hit_rate']:.0%}, "
-          f"unique labels; {BANK_SIZES_REPEAT[0]}x{BANK_SIZES_REPEAT[1]}: sizes that repeat, held vs own outputs")
+    print(f"goals (tokens {BANK_BATCH[0]}x{BANK_BATCH[1]}): held <= {BANK_GOALS['held_vs_step']}x the step's graphs, "
+          f"step {last} within {BANK_GOALS['drift']:.0%} of step {first}, kept hit rate >= "
+          f"{BANK_GOALS['kept_hit_rate']:.0%}, unique labels; {BANK_SIZES_REPEAT[0]}x{BANK_SIZES_REPEAT[1]}: sizes "
+          f"that repeat, held vs own outputs")
 HF_GOAL = 0.05  # host kernel ops outside graphs per training step, vs eager
 
 
@@ -362,8 +363,8 @@ def main(argv=None) -> int:
                                                     steps=2 if args.quick else 8))
         bank_steps = 16 if args.quick else 40  # the last 10 steps of a quick run are past warmup too
         workloads = [(mode, BANK_BATCH) for mode in ("off", "buckets", "max")] + [("buckets", BANK_SIZES_REPEAT)]
-        print_bank({(mode, tokens): bench_bank(mode, bank_steps, (10, bank_steps), tokens) for mode, tokens in workloads},
-                   bank_steps)
+        print_bank({(mode, tokens): bench_bank(mode, bank_steps, (10, bank_steps), tokens)
+                    for mode, tokens in workloads}, bank_steps)
         print_hf(bench_hf(warmup=2 if args.quick else 4, steps=2 if args.quick else 8,
                           dtypes=(torch.bfloat16,) if args.quick else (torch.float32, torch.bfloat16)))
         print(f"\ntotal {time.perf_counter() - started:.0f} s")

@@ -77,11 +77,15 @@ def test_sizes_share_one_arena_per_graph_kind_and_train_like_eager():
     check_sizes_share_one_arena(device="cpu", driver="emulate")
 
 
+def trained_pair(device: str, driver: str):
+    """(model, its eager copy, the model compiled on `driver`)."""
+    model = mlp(device)
+    return model, copy.deepcopy(model), compiled(model, driver=driver)
+
+
 def check_sizes_share_one_arena(device: str, driver: str) -> None:
     """Also run on CUDA (tests/gpu/test_gpu_arena.py)."""
-    model = mlp(device)
-    reference = copy.deepcopy(model)
-    run = compiled(model, driver=driver)
+    model, reference, run = trained_pair(device, driver)
     sizes = [4, 6, 4, 6, 5, 4, 5, 6, 4, 5, 6]
     for i, rows in enumerate(sizes):
         x = batch(rows, i, device)
@@ -127,9 +131,7 @@ def test_graphs_in_flight_together_get_separate_arenas():
 
 def check_graphs_in_flight_get_separate_arenas(device: str, driver: str) -> None:
     """fwd(4), fwd(6), bwd, bwd: the second size must not write over the first's saved activations."""
-    model = mlp(device)
-    reference = copy.deepcopy(model)
-    run = compiled(model, driver=driver)
+    model, reference, run = trained_pair(device, driver)
     for step in range(4):
         xs = [batch(4, 10 * step, device), batch(6, 10 * step + 1, device)]
         losses = [run(x).square().sum() for x in xs]

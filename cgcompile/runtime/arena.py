@@ -7,7 +7,7 @@ sizes are rarely in flight at the same time, so they write their outputs into on
 memory per output position, as large as the largest size needs. Memory then follows the largest size, not
 the number of sizes.
 
-How (graph.py and partition_runner.py apply it; this module keeps the arenas and their rules):
+How (graph.py, graph_family.py and partition_runner.py apply it; this module keeps the arenas and their rules):
 - Members: forward, backward or inference graphs of one partition, one kind and one parameter set, at most one
   per input signature. Each writes its fresh outputs into arena views with the output's own shape and strides
   (a device copy inside the graph; its own result is then a temporary) and hands out views of the arena. The
@@ -115,7 +115,7 @@ class OutputArena:
             self.owned[ptr] = [handle, _compat.storage_use_count(handle)]
         self.members: Dict[Any, Tuple[Any, Dict[int, int]]] = {}  # family -> (graph, references it keeps)
         self.free = False  # found idle since a member last replayed (see busy())
-        self.owner = None  # not a graph family's instance (partition_runner's instance_for looks for one)
+        self.owner = None  # not a graph family's instance (GraphFamily.instance_for looks for one)
 
     @property
     def alive(self) -> bool:

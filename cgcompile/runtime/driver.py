@@ -2,8 +2,9 @@
 
 `driver.capture(fn, static_inputs, pool)` runs `fn(list_of_inputs) -> list_of_outputs` so that later
 `graph.replay()` re-executes it reading `static_inputs` and writing the *same* output tensor objects it
-returned at capture (`graph.static_outputs`). The runtime (partition_runner.py, graph.py, model_runtime.py) owns all
-buffer logic: what to copy in, what to hand out, when a graph may be replayed. Drivers only capture and replay.
+returned at capture (`graph.static_outputs`). The runtime (partition_runner.py, graph_family.py, graph.py,
+model_runtime.py) owns all buffer logic: what to copy in, what to hand out, when a graph may be replayed.
+Drivers only capture and replay.
 
 - `cuda`: real CUDA graphs (torch.cuda.CUDAGraph), captured on a side stream into a caller-chosen pool.
 - `emulate`: a CPU stand-in with the same buffer semantics, so the runtime's aliasing and copy logic is

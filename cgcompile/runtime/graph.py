@@ -2,7 +2,7 @@
 the graph's static inputs, what a replay hands out, when a graph is busy, when a backward's grads may be stolen.
 
 `capture_instance` classifies each argument, captures through the driver and restores inputs the capture wrote;
-partition_runner.py picks the instance a call replays; ModelRuntime (model_runtime.py) keeps the registry of which
+graph_family.py picks the instance a call replays; ModelRuntime (model_runtime.py) keeps the registry of which
 graph owns which memory, the live graphs, and the pool rules. The buffer rules, in one place:
 
 - Static inputs (parameters, buffers) are never copied: their address is recorded at capture and checked at
@@ -82,7 +82,7 @@ def storage_ptr(t: torch.Tensor) -> int:
 class GraphInstance:
     """One captured graph, and how each argument of a call reaches its static inputs.
 
-    `owner` is whatever captured it (partition_runner's graph family: used to tell its instances apart),
+    `owner` is whatever captured it (a GraphFamily, graph_family.py: used to tell its instances apart),
     `partition` (the partition's name), `label` (its description) and `kind` ("forward", "backward",
     "inference") name it in logs and stats()["graphs"]. Its
     fields are written here only; ModelRuntime records ownership through own()/lend()/forget()."""
@@ -118,8 +118,9 @@ class GraphInstance:
         self.free = False  # seen idle since its last replay: stays so until the next replay (see busy())
         self.bw: Optional[GraphInstance] = None  # a forward instance's backward graph
         self.cleared_streak = 0  # backward: replays in a row that found the parameters' grads cleared
-        # Graph-bank bookkeeping (partition_runner.py, bank_policy.py): the label without its kind (a backward's
-        # label starts with its forward's), the partition's clock at its last use, re-captures in a row.
+        # Graph-bank bookkeeping (graph_family.py, partition_runner.py, bank_policy.py): the label without its
+        # kind (a backward's label starts with its forward's), the partition's clock at its last use, re-captures
+        # in a row.
         self.name = label
         self.last_use = 0
         self.recapture_streak = 0
