@@ -41,8 +41,8 @@ from .. import _compat
 from .driver import CaptureError
 from .layout import copy_into
 
-__all__ = ["ArenaGroup", "OutputArena", "OutputLayout", "arena_capacity", "output_layouts", "span_bytes", "superseded",
-           "writing_into"]
+__all__ = ["ArenaGroup", "OutputArena", "OutputLayout", "arena_capacity", "largest_capacity", "output_layouts",
+           "span_bytes", "superseded", "writing_into"]
 
 # (dtype, shape, strides, bytes spanned) of one output that can live in an arena; None for one that cannot
 OutputLayout = Optional[Tuple[torch.dtype, Tuple[int, ...], Tuple[int, ...], int]]
@@ -89,13 +89,19 @@ def arena_capacity(needs: Dict[int, int], largest: Dict[int, int]) -> Dict[int, 
     return {j: max(needs.get(j, 0), largest.get(j, 0)) for j in sorted(set(needs) | set(largest))}
 
 
-def superseded(capacities: Sequence[Dict[int, int]]) -> List[int]:
-    """Indices of the arenas (given by their bytes per position) smaller somewhere than the group's largest
-    per position: their sizes fit a full-size arena, where they move once idle."""
+def largest_capacity(capacities: Sequence[Dict[int, int]]) -> Dict[int, int]:
+    """Per output position, the most bytes any of these arenas (given by their bytes per position) holds."""
     largest: Dict[int, int] = {}
     for capacity in capacities:
         for j, n in capacity.items():
             largest[j] = max(largest.get(j, 0), n)
+    return largest
+
+
+def superseded(capacities: Sequence[Dict[int, int]]) -> List[int]:
+    """Indices of the arenas (given by their bytes per position) smaller somewhere than the group's largest
+    per position: their sizes fit a full-size arena, where they move once idle."""
+    largest = largest_capacity(capacities)
     return [i for i, capacity in enumerate(capacities) if any(capacity.get(j, 0) < n for j, n in largest.items())]
 
 
@@ -204,15 +210,12 @@ class ArenaGroup:
         if not needs:
             return None
         arenas = self.arenas()
-        small = set(superseded([a.capacity() for a in arenas]))
+        capacities = [a.capacity() for a in arenas]
+        small = set(superseded(capacities))
         for index, arena in enumerate(arenas):
             if index not in small and arena.fits(needs) and not arena.has_member_for(family) and not arena.busy():
                 return arena
-        largest: Dict[int, int] = {}
-        for arena in arenas:
-            for j, n in arena.capacity().items():
-                largest[j] = max(largest.get(j, 0), n)
-        arena = OutputArena(arena_capacity(needs, largest), device, self.new_pool(), self.name)
+        arena = OutputArena(arena_capacity(needs, largest_capacity(capacities)), device, self.new_pool(), self.name)
         self._arenas.append(weakref.ref(arena))
         return arena
 

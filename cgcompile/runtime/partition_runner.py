@@ -236,14 +236,18 @@ class PartitionRunner:
         self.release_graphs(stale, f"not replayed in its last {window} calls per live graph")
 
     def release_graphs(self, graphs: List[GraphInstance], why: str) -> None:
-        """Release idle forward/inference instances with their backward graphs (a busy one is kept: its outputs
-        or stolen grads are in use): memory returned, counted, the partition's first release logged."""
+        """Release idle forward/inference instances with their backward graphs, or a backward graph alone (a busy
+        one is kept: its outputs or stolen grads are in use): memory returned, counted, the partition's first
+        release logged."""
         released = 0
         for graph in graphs:
             if graph.captured is None or graph.busy() or (graph.bw is not None and graph.bw.busy()):
                 continue
-            graph.owner.graphs.remove(graph)
-            self.graph_counts[graph.param_storages] -= 1
+            if graph.kind == "backward":  # alone (arena.py): its forward instance captures it again when needed
+                graph.owner.entry.forward.drop_backward(graph)
+            else:
+                graph.owner.graphs.remove(graph)
+                self.graph_counts[graph.param_storages] -= 1
             self.runtime.discard(graph)
             released += 1
         if not released:
@@ -257,15 +261,8 @@ class PartitionRunner:
 
     def retire_superseded(self, group: ArenaGroup) -> None:
         """Release the graphs of the idle arenas a larger size superseded (arena.py): each size captures again into
-        a full-size arena at its next call. A backward graph leaves its forward instance, which re-captures it."""
-        graphs = [graph for arena in group.superseded_idle() for graph in arena.member_graphs()]
-        for graph in graphs:
-            if graph.kind == "backward" and graph.captured is not None:
-                graph.owner.entry.forward.drop_backward(graph)
-                self.runtime.discard(graph)
-                self.counters.releases += 1
-                count("graphs_released")
-        self.release_graphs([graph for graph in graphs if graph.kind != "backward"],
+        a full-size arena at its next call."""
+        self.release_graphs([graph for arena in group.superseded_idle() for graph in arena.member_graphs()],
                             "a larger input size needs more output memory: its size captures again into the "
                             "larger output arena")
 
