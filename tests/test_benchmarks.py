@@ -20,12 +20,16 @@ def run_script(name, *args, timeout=240):
     return proc.stdout
 
 
-def load_bench_gpu():
-    spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(ROOT, "benchmarks", "bench_gpu.py"))
+def load_bench(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_gpu", module)  # dataclasses look their module up there
+    sys.modules.setdefault(name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def load_bench_gpu():
+    return load_bench("bench_gpu")
 
 
 def test_bench_gpu_skips_without_cuda():
@@ -228,6 +232,13 @@ def test_goal_rows_verdicts():
     unjudged = {text: (value, verdict) for text, value, verdict in bench.goal_rows(results, judged=False)}
     assert unjudged["mixtral step >= 3x eager (cg-local-eager+max)"] == ("3.00x", "n/a")
     assert {verdict for _, verdict in unjudged.values()} == {"n/a"}
+
+
+def test_bench_cpu_judges_the_ratio_it_prints():
+    within = load_bench("bench_cpu").within
+    assert within(1.1004, 1.1)  # printed "1.10x <= 1.10x": PASS, as the row reads (CI once printed MISS here)
+    assert not within(1.106, 1.1)  # printed "1.11x"
+    assert within(0.05, 0.10) and not within(0.2, 0.10)
 
 
 def test_bench_cpu_quick_table():
