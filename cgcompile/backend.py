@@ -15,6 +15,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from .checkpoint_inline import inline_checkpoints_around_islands
 from .config import CudaGraphConfig, CudaGraphImpl, InferenceCudaGraphScope
 from .diagnostics import full_iteration_error, log_graph_plan
 from .errors import ConfigError
@@ -66,6 +67,7 @@ def make_plan(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGra
     """Plan one Dynamo graph for the current grad mode (hoisting scalar-input reads first, see split.py)."""
     training = torch.is_grad_enabled()
     scope = scope_for(config, training)
+    inline_checkpoints_around_islands(gm)
     hoist_scalar_input_reads(gm)
     pad_dynamic_rows(gm, config)
     graph_plan = plan_graph(gm, config, index, training=training, device=device_of(example_inputs),

@@ -3,7 +3,7 @@ test tool; nothing in the backend uses it).
 
 On a GPU every op dispatched outside a CUDA graph is a kernel launch (or more) paid on the host, and every
 data-dependent read (nonzero's size, .item()) is a sync. The emulate driver replays a graph by running its ops
-inside a profiler range (driver.REPLAY_RANGE); they stand for one graph launch and are counted apart.
+inside a profiler range (emulate_driver.REPLAY_RANGE); they stand for one graph launch and are counted apart.
 torch.profiler is used rather than a dispatch mode because Dynamo does not run compiled code under an active
 dispatch mode.
 """
@@ -14,7 +14,7 @@ from typing import Tuple
 
 import torch
 
-from .runtime.driver import REPLAY_RANGE
+from .runtime.emulate_driver import REPLAY_RANGE
 
 __all__ = ["HostOpCounter", "SYNC_OPS", "count_events"]
 

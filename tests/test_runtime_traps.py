@@ -26,6 +26,8 @@ from cgcompile import backend as backend_mod
 from cgcompile import reset_stats, stats
 from cgcompile.backend import record_plans
 from cgcompile.runtime import driver as driver_mod
+from cgcompile.runtime import drivers as drivers_mod
+from cgcompile.runtime import emulate_driver
 from tests.models import MODELS
 
 D = 8
@@ -463,14 +465,14 @@ def test_graph_bank_cap_falls_back_to_eager(caplog):
     assert len(cap_warnings) == len({f["partition"] for f in s["eager_fallbacks"]})
 
 
-class _FailingDriver(driver_mod.EmulateDriver):
-    def capture(self, fn, static_inputs, pool=None):
+class _FailingDriver(emulate_driver.EmulateDriver):
+    def capture(self, fn, static_inputs, pool=None, *, warmup=True):
         raise driver_mod.CaptureError("injected failure")
 
 
 def test_injected_capture_failure_falls_back(caplog, monkeypatch):
     ref, model = twins()
-    monkeypatch.setattr(driver_mod, "EmulateDriver", _FailingDriver)
+    monkeypatch.setattr(drivers_mod, "EmulateDriver", _FailingDriver)
     cmodel = compiled(model)
     with caplog.at_level(logging.WARNING, logger="cgcompile"):
         for step in range(4):

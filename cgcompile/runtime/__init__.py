@@ -5,10 +5,11 @@ Introspection (read-only, for tests and tools): `live_runtimes()` lists the Mode
 `copies`, `shared_index`, `replays`), `ModelRuntime.runners()` its PartitionRunners (`name`, `bank_size()`).
 """
 
-from .driver import CaptureError, CapturedGraph, Driver, get_driver, is_capturing
+from .driver import CaptureError, CapturedGraph, Driver, StaleReplayError, is_capturing
+from .drivers import get_driver
 from .graph import GraphInstance
 from .model_runtime import ModelRuntime, live_runtimes
 from .partition_runner import PartitionRunner, compile_partition
 
-__all__ = ["CaptureError", "CapturedGraph", "Driver", "GraphInstance", "ModelRuntime", "PartitionRunner",
+__all__ = ["CaptureError", "CapturedGraph", "Driver", "StaleReplayError", "GraphInstance", "ModelRuntime", "PartitionRunner",
            "compile_partition", "get_driver", "is_capturing", "live_runtimes"]

@@ -19,7 +19,8 @@ import torch
 from .. import _compat
 from ..counters import add as count
 from . import release as releases
-from .driver import Driver, EagerDriver, get_driver
+from .driver import Driver
+from .drivers import EagerDriver, get_driver
 from .arena import OutputArena
 from .graph import GraphInstance, storage_ptr
 

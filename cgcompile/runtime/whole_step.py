@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -18,24 +17,19 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import _compat, counters
 from ..errors import ConfigError
-from .driver import Driver, get_driver
+from . import bank_policy
+from .driver import Driver
+from .drivers import get_driver
+from .optimizer_values import OptimizerValues, changed_value
 from .host_sync import host_sync_reason
 from .release import register
+from .user_frames import user_location
 
 log = logging.getLogger("cgcompile")
 
 __all__ = ["CapturedStep", "capture_step"]
 
 _DRIVERS = ("auto", "cuda", "emulate", "eager")
-
-
-def _user_location() -> str:
-    """The innermost stack frame outside torch and cgcompile: where the user's step did the thing."""
-    for frame in reversed(traceback.extract_stack()):
-        path = frame.filename.replace("\\", "/")
-        if "/torch/" not in path and "/cgcompile/" not in path and "<frozen" not in path:
-            return f"{frame.filename}:{frame.lineno}"
-    return "?"
 
 
 class _StepChecker(_compat.TorchDispatchMode):
@@ -50,7 +44,7 @@ class _StepChecker(_compat.TorchDispatchMode):
         kwargs = kwargs or {}
         reason = host_sync_reason(func, args, kwargs, self.on_cuda)
         if reason is not None:
-            self.problems.setdefault((_user_location(), reason))
+            self.problems.setdefault((user_location(), reason))
         return func(*args, **kwargs)
 
 
@@ -78,6 +72,10 @@ class _Captured:
         self.graph = None
         self.static_inputs: List[torch.Tensor] = []
         self.out_spec = None
+        self.values: tuple = ()  # the optimizers' plain hyperparameters at capture (optimizer_values.py)
+        self.replays = 0  # since its capture (the capture call's own replay included)
+        self.recapture_streak = 0
+        self.eager: Optional[str] = None  # why this variant runs eagerly for good
 
 
 class CapturedStep:
@@ -95,6 +93,7 @@ class CapturedStep:
         self._variants: Dict[tuple, _Captured] = {}
         self._driver: Optional[Driver] = None
         self._pool: Any = None
+        self._values = OptimizerValues()
         register(self)
 
     def release(self) -> None:
@@ -122,9 +121,16 @@ class CapturedStep:
             with driver.warmup_stream():
                 if variant.calls == 1:
                     return self._checked_eager_step(args, driver)
-                return self.step_fn(*args)
+                return self._watched_step(args)
+        if variant.eager is not None:
+            return self.step_fn(*args)
         if variant.graph is None:
             self._capture(variant, args, driver)
+        else:
+            change = changed_value(variant.values, self._values.snapshot())
+            if change is not None and not self._recapture(variant, args, driver, change):
+                return self.step_fn(*args)
+        variant.replays += 1
         with torch.no_grad():
             for static, new in zip(variant.static_inputs, args):
                 if isinstance(static, torch.Tensor) and static is not new:
@@ -140,7 +146,7 @@ class CapturedStep:
         handle = register_optimizer_step_pre_hook(_check_optimizer)
         try:
             with _StepChecker(on_cuda) as checker:
-                out = self.step_fn(*args)
+                out = self._watched_step(args)
         finally:
             handle.remove()
         if checker.problems and driver.captures:
@@ -149,6 +155,34 @@ class CapturedStep:
                               f"{lines}\nMove these out of the step (log the loss after it returns) or use "
                               f"torch.compile(..., backend='cudagraph_modules') to capture around them.")
         return out
+
+    def _watched_step(self, args: Sequence[Any]) -> Any:
+        """An eager step that notes which optimizers it steps (their hyperparameters are checked at replay)."""
+        handle = register_optimizer_step_pre_hook(lambda optimizer, *_: self._values.saw_step(optimizer))
+        try:
+            return self.step_fn(*args)
+        finally:
+            handle.remove()
+
+    def _recapture(self, variant: _Captured, args: Sequence[Any], driver: Driver, change: str) -> bool:
+        """An optimizer hyperparameter the graph baked in changed: capture again (False: run eagerly for good,
+        when it changes about every step)."""
+        variant.recapture_streak = bank_policy.recapture_streak(variant.recapture_streak, variant.replays)
+        reason = (f"{change} since the step was captured (a CUDA graph replays the value it captured); "
+                  f"{_TENSOR_HINT}")
+        if bank_policy.storm(variant.recapture_streak):
+            variant.eager = reason
+            variant.graph = None
+            counters.record("eager_fallbacks", "capture_step", f"re-captured {variant.recapture_streak} times in a "
+                            f"row without a replay in between: {reason}", once=True)
+            log.warning("capture_step: the step runs eagerly from now on: its optimizer hyperparameters change "
+                        "about every step (%s)", reason)
+            return False
+        counters.record("recaptures", "capture_step", reason)
+        log.info("capture_step: capturing the step again: %s", reason)
+        self._pool = driver.new_pool()  # the old graph's pool may still be held by its outputs
+        self._capture(variant, args, driver)
+        return True
 
     def _capture(self, variant: _Captured, args: Sequence[Any], driver: Driver) -> None:
         variant.static_inputs = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
@@ -160,12 +194,19 @@ class CapturedStep:
             return flat
 
         start = time.perf_counter()
+        variant.values = self._values.snapshot()
+        variant.replays = 0
         variant.graph = driver.capture(run, variant.static_inputs, self._pool, warmup=False)
         elapsed = time.perf_counter() - start
         counters.add("graphs_captured")
         counters.add("capture_seconds", elapsed)
         counters.add("pool_bytes", variant.graph.pool_bytes)
         log.info("capture_step: captured the %s step in %.2f s", "training" if grad else "forward-only", elapsed)
+
+
+_TENSOR_HINT = ("a value that changes every few steps is better given as a tensor the optimizer reads on the device, "
+                "which the graph reads at each replay and torch's schedulers update in place: e.g. torch.optim.AdamW("
+                "params, lr=torch.tensor(1e-3, device='cuda'), capturable=True) (SGD reads a tensor lr on the host)")
 
 
 def capture_step(step_fn: Callable[..., Any], *, warmup_steps: int = 3, driver: str = "auto") -> CapturedStep:
@@ -175,6 +216,8 @@ def capture_step(step_fn: Callable[..., Any], *, warmup_steps: int = 3, driver: 
     static outputs. Optimizers must be built with `capturable=True` where they have that option, and the step
     must not sync with the host (`.item()`, `.cpu()`, data-dependent shapes): both are checked on the first
     call, which runs eagerly, and reported in one ConfigError. The first `warmup_steps` calls run eagerly.
-    Calls under `torch.no_grad()` (validation) get their own forward-only graph.
+    Calls under `torch.no_grad()` (validation) get their own forward-only graph. An optimizer hyperparameter
+    given as a Python number (a scheduler's lr) is baked into the graph: when it changes the step is captured
+    again, and runs eagerly if it changes about every step; give it as a tensor to avoid both.
     """
     return CapturedStep(step_fn, warmup_steps=warmup_steps, driver=driver)

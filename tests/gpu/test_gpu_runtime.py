@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from cgcompile import reset_stats, stats
-from cgcompile.runtime.driver import CaptureError, CudaDriver
+from cgcompile.runtime.cuda_driver import CudaDriver
+from cgcompile.runtime.driver import CaptureError
 from cgcompile.backend import record_plans
 from tests.test_runtime_traps import (SYNCING_TAGS, TIED_TAGS, Net, Syncing, Tied, batch, compiled, grads,
                                       is_static, partition_name, tag_syncing, tag_tied)

@@ -1,0 +1,165 @@
+"""The CUDA driver: real CUDA graphs (torch.cuda.CUDAGraph), captured on a side stream into a caller-chosen pool.
+
+The interface is driver.py's; the runtime decides what to copy in, which pool a graph uses and when it replays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+from .. import _compat
+from .capture_guard import capture_guard
+from .driver import CaptureError, CapturedGraph, Driver, Fn
+from .global_state import preserved_global_state
+
+__all__ = ["CudaDriver", "release_cuda_graphs"]
+
+
+class _CudaGraph(CapturedGraph):
+    def __init__(self, graph: Any, static_inputs: Sequence[Any], static_outputs: Sequence[Any],
+                 pool_bytes: int):
+        super().__init__(static_inputs, static_outputs, pool_bytes)
+        self.graph = graph
+        _LIVE.add(self)
+
+    def replay(self) -> List[Any]:
+        if self.graph is None:
+            raise CaptureError("this CUDA graph was released (cgcompile.release() or torch._dynamo.reset())")
+        self.graph.replay()  # on the current stream, after the runtime's input copies
+        return self.static_outputs
+
+    def release(self) -> None:
+        """Destroy the CUDA graph now (CUDAGraph.reset, public in 2.11 and 2.13), whoever still holds us."""
+        if self.graph is not None:
+            self.graph.reset()
+            self.graph = None
+
+
+_LIVE: "weakref.WeakSet[_CudaGraph]" = weakref.WeakSet()
+
+
+def release_cuda_graphs() -> None:
+    """Destroy every CUDA graph this process captured through the CUDA driver that is still alive."""
+    for graph in list(_LIVE):
+        graph.release()
+
+
+class CudaDriver(Driver):
+    """torch.cuda.CUDAGraph capture on a side stream, `capture_error_mode="thread_local"`.
+
+    Before capture, fn runs once on the side stream (torch's documented warmup: lazy cuBLAS/cuDNN init must not
+    happen inside a capture) under the host-sync guard. Pools come from torch.cuda.graph_pool_handle(); the
+    runtime decides which graphs share one. RNG: torch registers the default CUDA generator with a capture by
+    itself (2.11/2.13: a generator used during capture creates its per-capture state lazily, see
+    CUDAGeneratorImpl::philox_cuda_state and CUDAGraph::capture_end), so each replay draws fresh numbers; we
+    register nothing explicitly (registering an unused generator is not safe on every version).
+    """
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+        self._stream: Optional[torch.cuda.Stream] = None
+
+    def new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    @contextlib.contextmanager
+    def warmup_stream(self):
+        """Run warmup on the capture's side stream, as torch's whole-network capture recipe does: per-stream
+        library state (cuBLAS workspaces, ...) then exists before the capture on that stream."""
+        stream = self._side_stream()
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            yield
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def _side_stream(self) -> "torch.cuda.Stream":
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+    def capture(self, fn: Fn, static_inputs: Sequence[Any], pool: Any = None, *,
+                warmup: bool = True) -> CapturedGraph:
+        # explicit even when private, so a failed capture can release it
+        pool = self.live_pool(pool) if pool is not None else self.new_pool()
+        stream = self._side_stream()
+        with torch.cuda.device(self.device), torch.no_grad():
+            current = torch.cuda.current_stream()
+            stream.wait_stream(current)
+            if warmup:
+                # The warmup's draws must not shift the generator: the replay after capture draws what eager would.
+                with preserved_global_state(rng=True), torch.cuda.stream(stream), capture_guard(on_cuda=True):
+                    fn(list(static_inputs))  # result dropped at once: its memory is free for the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # torch.cuda.graph does this too; before measuring, so the delta is the pool's
+            reserved = torch.cuda.memory_reserved(self.device)
+            graph = torch.cuda.CUDAGraph()
+            failure: List[BaseException] = []
+            try:
+                with preserved_global_state(), \
+                        torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                    try:
+                        outputs = list(fn(list(static_inputs)))
+                    except BaseException as exc:
+                        failure.append(exc)
+                        raise
+            except Exception as exc:
+                self._undo_failed_capture(graph, pool, stream, current)
+                cause = failure[0] if failure else exc
+                raise CaptureError(f"CUDA graph capture failed: {cause}") from cause
+            pool_bytes = max(0, torch.cuda.memory_reserved(self.device) - reserved)
+        return _CudaGraph(graph, static_inputs, outputs, pool_bytes)
+
+    def _undo_failed_capture(self, graph: Any, pool: Any, stream: Any, current: Any) -> None:
+        """Leave the process as it was before the capture, so the next one (same token or not) succeeds.
+
+        torch (2.11, 2.13: aten/src/ATen/cuda/CUDAGraph.cpp) unwinds a failed capture only partly:
+        CUDAGraph.capture_end raises at cudaStreamEndCapture's error *before* ending the device and host
+        allocators' recording to the pool, and torch.cuda.graph.__exit__ then skips restoring the stream; a
+        failure inside capture_begin (the host allocator refusing a pool) leaves the device allocator recording.
+        So: end a capture still open on the side stream, make the caller's stream current again, end and
+        release the device allocator's recording (only if it is still on: a successful capture_end already
+        did both), and retire the pool token, because the host allocator's recording cannot be ended from
+        Python (it raises "beginAllocateToPool: already recording to mempool_id" on the next capture into it).
+        The graph object is kept: the allocators keep a callback that reads it. The side stream is replaced.
+        """
+        with torch.cuda.stream(stream):
+            if torch.cuda.is_current_stream_capturing():  # capture_end refused (e.g. called on another stream)
+                try:
+                    graph.capture_end()
+                except Exception:
+                    pass
+        torch.cuda.set_stream(current)
+        if _compat.cuda_end_allocate_to_pool(self.device, pool):
+            _compat.cuda_release_pool(self.device, pool)  # balances capture_begin's reference on the pool
+        if not _capture_succeeded(graph):
+            _ABANDONED_GRAPHS.append(graph)
+            self.retire_pool(pool)
+        self._stream = None
+
+    def release(self) -> None:
+        super().release()
+        self._stream = None
+
+
+# Graphs whose capture failed half way. torch's allocators may still hold a stream filter that reads the graph
+# object (CUDAGraph::create_allocate_filter captures `this`), so it must outlive them: a few bytes each, no
+# CUDA graph and no pool memory.
+_ABANDONED_GRAPHS: List[Any] = []
+
+
+def _capture_succeeded(graph: Any) -> bool:
+    """CUDAGraph.pool() (public, 2.11 and 2.13) raises unless capture_end completed."""
+    try:
+        graph.pool()
+        return True
+    except Exception:
+        return False
