@@ -40,7 +40,9 @@ def test_trainer_on_a_compiled_model_replays_graphs_and_matches_eager(tmp_path, 
 
 
 def test_accelerate_rejects_the_backend_name_as_the_page_says():
-    from accelerate.utils import DynamoBackend
+    """Trainer builds this plugin from TrainingArguments(torch_compile_backend=...); when accelerate starts
+    accepting other backends, this fails and the page's warning can go."""
+    from accelerate.utils import TorchDynamoPlugin
     with pytest.raises(ValueError, match="'CUDAGRAPH_MODULES' is not a valid DynamoBackend"):
-        DynamoBackend("cudagraph_modules".upper())
-    assert "is not a valid DynamoBackend" in PAGE.read_text()
+        TorchDynamoPlugin(backend="cudagraph_modules")
+    assert "'CUDAGRAPH_MODULES' is not a valid DynamoBackend" in PAGE.read_text()
