@@ -82,6 +82,12 @@ def test_option_table_has_one_row_per_config_field():
     assert hook.MARKER in (DOCS / "guides" / "tagging-and-options.md").read_text()
 
 
+def test_stats_table_lists_every_key_stats_returns():
+    page = (DOCS / "plan.md").read_text()
+    section = page[page.index("## `cgcompile.stats()`"):]
+    assert set(re.findall(r"^\| `(\w+)` \|", section, re.M)) == set(cgcompile.stats())
+
+
 def reason_categories():
     """Every category a Finding is made with in the package: Finding("x", ...) and finding(node, "x", ...), the
     category a string literal or a module-level string constant of the same file."""
