@@ -3,14 +3,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-nightly bench gpu-check megatron-parity megatron-record clean
+.PHONY: demo test test-nightly docs docs-serve bench gpu-check megatron-parity megatron-record clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	if $(PY) -c "import torch" 2>/dev/null; then \
-	    $(PY) -m pip install -q -e ".[test]"; \
+	    $(PY) -m pip install -q -e ".[test,docs]"; \
 	else \
-	    $(PY) -m pip install -q -c constraints.txt -e ".[test]"; \
+	    $(PY) -m pip install -q -c constraints.txt -e ".[test,docs]"; \
 	fi
 	touch $@
 
@@ -23,6 +23,14 @@ test: $(VENV)/.installed
 # The randomized parity test with fresh randomness and many more examples (CI runs a fixed set of 200).
 test-nightly: $(VENV)/.installed
 	CGCOMPILE_FUZZ_NIGHTLY=1 $(PY) -m pytest -q tests/test_random_models.py $(PYTEST_ARGS)
+
+# The docs site (mkdocs.yml, docs/): strict, so a warning or a link that does not resolve fails the build.
+# tests/test_docs.py runs the same build, so `make test` (CI) covers it. NO_MKDOCS_2_WARNING: Material's banner.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+docs-serve: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_cpu.py
@@ -53,4 +61,4 @@ megatron-record: $(MCORE_VENV)/.installed
 	PYTHONPATH=$(CURDIR) $(MCORE_PY) tests/megatron_oracle.py --write
 
 clean:
-	rm -rf $(VENV) $(MCORE_VENV) build *.egg-info
+	rm -rf $(VENV) $(MCORE_VENV) build site *.egg-info

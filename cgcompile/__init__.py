@@ -1,7 +1,8 @@
 """cgcompile: a torch.compile backend that captures module-tagged partitions in CUDA graphs.
 
-Public API only; see README.md. The backend itself is registered as "cudagraph_modules" through the
-`torch_dynamo_backends` entry point, so `torch.compile(m, backend="cudagraph_modules")` needs no import.
+Public API only (the docs site, docs/ and `make docs`, documents it). The backend itself is registered as
+"cudagraph_modules" through the `torch_dynamo_backends` entry point, so `torch.compile(m,
+backend="cudagraph_modules")` needs no import.
 """
 
 from .config import CudaGraphConfig, CudaGraphImpl, CudaGraphModule, CudaGraphScope, InferenceCudaGraphScope

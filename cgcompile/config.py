@@ -92,30 +92,42 @@ class _ReadOnlyMapping(Mapping):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CudaGraphConfig:
-    """The backend's options, normalized and validated; build it with :meth:`from_options`.
+    """The backend's options, normalized and validated; build it with `from_options`.
 
     Direct construction normalizes and validates too (strings, names and lists become enums and tuples),
-    but only :meth:`from_options` understands the deprecated option names.
+    but only `from_options` understands the deprecated option names. Each attribute below is one option of
+    `torch.compile(..., options={...})` (the docs' option table is generated from this list).
 
     Attributes:
         cuda_graph_impl: none | local | transformer_engine | full_iteration. Defaults to ``local``:
             choosing backend="cudagraph_modules" means you want capture (Megatron's own default is ``none``).
         cuda_graph_modules: tags whose regions are captured, in order of first appearance, deduplicated.
             Megatron's names (attn, mlp, moe, moe_router, moe_preprocess, mamba) are stored as
-            :class:`CudaGraphModule` members, any other Python identifier as a plain custom tag.
+            `CudaGraphModule` members, any other Python identifier as a plain custom tag.
             Empty means the whole layer: every capture-safe span.
-        inference_cuda_graph_scope: none | layer | block. ``None`` picks the impl's default: ``layer`` for
-            local, ``none`` otherwise (the only value those impls allow).
+        inference_cuda_graph_scope: what no-grad (inference) graphs capture: none | layer (per partition,
+            forward-only graphs) | block (maximal capture-safe spans across module boundaries). ``None`` picks
+            the impl's default: ``layer`` for local, ``none`` otherwise (the only value those impls allow).
         cuda_graph_warmup_steps: eager calls before capture; 0 captures on the first call (warns).
         inner_compiler: eager runs the partition's own kernels; inductor fuses it before capture.
-        driver: auto | cuda | emulate | eager; auto = cuda when the partition's tensors are on CUDA, else eager.
+        driver: auto | cuda | emulate | eager. cuda captures real CUDA graphs; emulate is a CPU emulation with
+            CUDA-graph buffer semantics (for tests); eager runs every partition eagerly; auto = cuda when the
+            partition's tensors are on CUDA, else eager.
         min_partition_ops: capturable runs with fewer ops stay eager, since a replay has a fixed cost (>= 1).
-        max_graphs_per_partition: graph-bank cap; past it the partition falls back to eager (>= 1).
-        strict_modules: do not absorb untagged glue ops (residual adds, norms) into captured regions.
-        strict: a selected region (e.g. moe) holding a data-dependent op raises instead of staying eager.
-        clone_outputs: copy outputs leaving the compiled frame so the next replay cannot overwrite them.
-        verify: run eager beside replay for this many steps and report the max difference (>= 0).
-        dynamic_padding: off | max | buckets. ``max`` rewrites data-dependent index producers (nonzero,
+            In whole-layer mode a small run first joins its captured neighbour across the layer cut, so
+            `nn.Sequential(Linear, GELU, Linear)` is one graph.
+        max_graphs_per_partition: graph-bank cap (shapes, instances) per parameter set (>= 1); past it the
+            call runs eagerly, logged once. The bank also releases graphs that are not replayed and stops
+            capturing sizes that do not repeat.
+        strict_modules: do not absorb untagged glue ops (residual adds, norms) into captured regions and do
+            not merge regions: one graph per tagged module instance.
+        strict: a selected region (e.g. moe) holding an uncapturable op raises instead of staying eager.
+        clone_outputs: copy outputs leaving the compiled frame out of graph memory, so the next replay cannot
+            overwrite them.
+        verify: for this many calls after warmup, run eager beside each captured partition and report the
+            largest difference (`cgcompile.stats()["verify_max_diff"]`, an INFO log line) (>= 0).
+        dynamic_padding: off | max | buckets: capture the rows a data-dependent index op selects (the MoE
+            expert loop), exactly. ``max`` rewrites data-dependent index producers (nonzero,
             torch.where(mask), argwhere, boolean-mask indexing) to their static upper bound (nonzero_static)
             with a device-side count, so the rows they select can be captured without any host sync;
             ``buckets`` keeps one host read of the count and pads to the next bucket (one graph per bucket).
@@ -134,8 +146,8 @@ class CudaGraphConfig:
             Groups with reshard_after_forward=False are always kept (no extra peak memory).
         te: keyword arguments passed through to Transformer Engine's make_graphed_callables (read-only;
             compared, not hashed).
-        migrations: the deprecated spellings :meth:`from_options` rewrote (not compared, so a config
-            rebuilt from :meth:`to_options` equals the original).
+        migrations: the deprecated spellings `from_options` rewrote (not compared, so a config
+            rebuilt from `to_options` equals the original). A record, not an option.
     """
 
     cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.LOCAL
@@ -243,7 +255,7 @@ class CudaGraphConfig:
         }
 
     def to_json_dict(self) -> dict[str, Any]:
-        """:meth:`to_options` made JSON-safe (``te`` values json cannot hold become their repr), plus the
+        """`to_options` made JSON-safe (``te`` values json cannot hold become their repr), plus the
         recorded migrations as readable strings."""
         options = self.to_options()
         options["te"] = _jsonable(options["te"])

@@ -36,8 +36,8 @@ def stats() -> Dict[str, Any]:
     alive now (partition, label, kind, replays, pool_bytes, static_input_bytes, static_output_bytes, and for a
     partition whose sizes vary its output `arena`, `arena_bytes`, `arena_output_bytes`), `graph_bytes`: what they
     hold together (each arena once), and `partitions`: per captured partition its graph-bank accounting (calls,
-    replays, misses, captures, ...; kept by the partition since it was created or released, not reset here); see
-    runtime/release.py."""
+    replays, misses, captures, ...; kept by the partition since it was created or released, not reset here).
+    The docs' "Understanding the plan" page lists every key; "Graph bank and memory" explains the rows."""
     from .runtime.release import graph_memory, held_bytes, partition_stats
     with _lock:
         snapshot = copy.deepcopy(_state)

@@ -2,7 +2,7 @@
 
 On a machine without a GPU it runs every partition eagerly and the plan says what would be captured; pass
 `--driver emulate` to exercise the capture/replay buffer logic on the CPU, and `--dynamic-padding buckets` (or
-`max`) to capture the experts too (README, "Capturing MoE experts").
+`max`) to capture the experts too (docs/guides/moe-dynamic-padding.md).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The three options Megatron and cgcompile share (``cuda_graph_impl``, ``cuda_grap
 ``external_cuda_graph``, ``cuda_graph_scope``, and the old scope values ``full``, ``full_iteration``,
 ``full_iteration_inference``) migrated to the new ones, each recorded as a :class:`Migration`. The same
 option sets give the same accept/reject and normalized values as Megatron-Core 0.19.2, except for the
-deliberate differences listed in README "Megatron compatibility" (tests/test_megatron_parity.py checks both).
+deliberate differences listed in docs/guides/megatron.md (tests/test_megatron_parity.py checks both).
 Megatron's rules that depend on the model (``moe`` on a model without MoE layers) are checked against the
 traced graph at plan time, not here. Pure: no torch import.
 """

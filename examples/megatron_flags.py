@@ -1,8 +1,8 @@
 """Megatron-LM's CUDA-graph flags, normalized as Megatron-Core 0.19.2 does: each input, its warning, the config.
 
 cgcompile accepts the options Megatron users already have in their configs and gives them the meaning
-Megatron-Core 0.19.2's TransformerConfig gives them (README "Megatron compatibility" lists where it is
-deliberately friendlier). The old spellings (`enable_cuda_graph`, `external_cuda_graph`, `cuda_graph_scope`,
+Megatron-Core 0.19.2's TransformerConfig gives them (docs/guides/megatron.md lists where it is deliberately
+friendlier). The old spellings (`enable_cuda_graph`, `external_cuda_graph`, `cuda_graph_scope`,
 the scope values `full`, `full_iteration`, `full_iteration_inference`) are rewritten to the current vocabulary
 (`cuda_graph_impl`, `cuda_graph_modules`, `inference_cuda_graph_scope`), each with one FutureWarning; every
 rewrite, also the local impl's silent moe_router/moe_preprocess pairing, is recorded in `config.migrations`.

@@ -1,8 +1,8 @@
 """Where cgcompile deliberately differs from Megatron-Core 0.19.2 on the parity cases (tests/megatron_cases.py).
 
 The one list of documented differences: tests/test_megatron_parity.py asserts that every case either agrees
-with Megatron-Core or is listed here (and that every listed case does differ), and that README's "Megatron
-compatibility" table is :func:`readme_table` verbatim. Print it with ``python tests/megatron_differences.py``.
+with Megatron-Core or is listed here (and that every listed case does differ), and that the "Megatron
+compatibility" table of docs/guides/megatron.md is `differences_table()` verbatim. Print it with ``python tests/megatron_differences.py``.
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ def documented_cases() -> dict[str, dict[str, object]]:
     return {case: difference for difference in DIFFERENCES for case in difference["cases"]}  # type: ignore[union-attr]
 
 
-def readme_table() -> str:
-    """The README table: one row per difference, with how many parity cases it covers."""
+def differences_table() -> str:
+    """The docs table (docs/guides/megatron.md): one row per difference, with how many parity cases it covers."""
     rows = ["| case | Megatron-Core 0.19.2 | cgcompile | why | parity cases |", "|---|---|---|---|---|"]
     for difference in DIFFERENCES:
         rows.append(f"| {difference['what']} | {difference['megatron']} | {difference['cgcompile']} | "
@@ -94,4 +94,4 @@ def readme_table() -> str:
 
 
 if __name__ == "__main__":
-    print(readme_table())
+    print(differences_table())

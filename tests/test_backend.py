@@ -131,8 +131,8 @@ def test_graph_runs_unsplit_when_nothing_would_be_captured(monkeypatch):
 
 
 def test_new_users_sequential_captures_one_partition_and_trains_like_eager():
-    """The README's first try: an untagged nn.Sequential, whole-layer mode. Each child is its own 1-op "layer";
-    they must merge into one captured partition instead of three too-small eager ones."""
+    """The first try of docs/getting-started.md: an untagged nn.Sequential, whole-layer mode. Each child is its
+    own 1-op "layer"; they must merge into one captured partition instead of three too-small eager ones."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 6))
     reference = copy.deepcopy(model)

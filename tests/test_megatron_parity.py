@@ -3,7 +3,7 @@
 The cases (tests/megatron_cases.py) with Megatron-Core's results recorded by tests/megatron_oracle.py
 (tests/data/megatron_core_0_19_2.json) are replayed through ``CudaGraphConfig.from_options``: each must agree
 (accept/reject, normalized impl, module set, inference scope, whether it warns) or be a documented
-difference (tests/megatron_differences.py, the README table). The live variant runs the same cases through
+difference (tests/megatron_differences.py, the table in docs/guides/megatron.md). The live variant runs the same cases through
 an installed ``megatron.core`` (skipped without it; ``make megatron-parity`` sets one up).
 """
 
@@ -19,7 +19,7 @@ import pytest
 from cgcompile.config import CudaGraphConfig
 from cgcompile.errors import ConfigError
 from tests.megatron_cases import cases, decode, stand_in_enums, summarize, summary_of_record
-from tests.megatron_differences import DIFFERENCES, documented_cases, readme_table
+from tests.megatron_differences import DIFFERENCES, differences_table, documented_cases
 from tests.megatron_oracle import data_path
 
 VERSION = "0.19.2"
@@ -97,12 +97,12 @@ def test_every_megatron_warning_is_a_recorded_migration_shown_in_the_plan():
     assert checked >= 40
 
 
-def test_readme_table_is_the_documented_list():
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
-    assert readme_table() in readme
+def test_docs_table_is_the_documented_list():
+    with open(os.path.join(ROOT, "docs", "guides", "megatron.md")) as f:
+        page = f.read()
+    assert differences_table() in page
     total = sum(len(d["cases"]) for d in DIFFERENCES)
-    assert f"{len(cases())} option sets" in readme and f"{total} are documented differences" in readme
+    assert f"{len(cases())} option sets" in page and f"{total} are documented differences" in page
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed "

@@ -7,7 +7,7 @@ capturing each fills the bank with graphs that are never replayed, each holding 
 grows with the number of sizes ever seen. And a partition whose parameters move on every call (FSDP2
 re-allocating unsharded parameters) re-captures on every call, slower than eager.
 
-The rules (thresholds chosen by measurement, README "Graph bank"). The clock is the partition's own calls,
+The rules (thresholds chosen by measurement, docs/graph-bank.md). The clock is the partition's own calls,
 counted per live graph of the partition (a steady loop calls each graph it uses about once a step):
 - judge: a graph not replayed within `JUDGE_AFTER` calls per live graph of its capture is *wasted*: released;
 - release: a graph not replayed in the last `RELEASE_WINDOW` calls per live graph is released;

@@ -123,7 +123,7 @@ class ModelRuntime:
 
     def live_graphs(self) -> List[GraphInstance]:
         """The captured graphs alive now (forward, backward and inference instances), in capture order.
-        Read-only introspection for tests and tools (see README, "Inspecting the runtime")."""
+        Read-only introspection for tests and tools (docs/architecture.md, "Inspecting the runtime")."""
         return list(self._live.values())
 
     def runners(self) -> List[Any]:

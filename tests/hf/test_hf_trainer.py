@@ -1,0 +1,48 @@
+"""The Hugging Face Trainer path the docs give (docs/guides/huggingface.md): the page's snippets compile a tiny
+Llama with `model.compile(backend="cudagraph_modules", ...)` and train it with `Trainer`. Checked here: every
+partition captured once and replayed on every step after it, nothing fell back to eager, and each step's loss
+equals an eager Trainer run's on the same data and arguments. Also: accelerate still rejects the backend name
+through `TrainingArguments(torch_compile_backend=...)`, the limitation the page documents."""
+
+import pytest
+import torch
+
+import cgcompile
+from tests.doc_snippets import REPO, run_page
+
+PAGE = REPO / "docs/guides/huggingface.md"
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+
+def logged_losses(trainer):
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_trainer_on_a_compiled_model_replays_graphs_and_matches_eager(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    page, _ = run_page(PAGE)
+    stats = cgcompile.stats()
+    steps, warmup = page["args"].max_steps, cgcompile.CudaGraphConfig().cuda_graph_warmup_steps
+    rows = stats["partitions"]
+    assert rows and stats["eager_fallbacks"] == []
+    for row in rows:  # one call per step: warmup, one capture, then a replay on every later step
+        assert (row["calls"], row["captures"], row["recaptures"]) == (steps, 1, 0), row
+        assert row["replays"] == steps - warmup - 1, row
+
+    torch.manual_seed(0)  # the page's seed: the same initial weights, uncompiled
+    eager = transformers.AutoModelForCausalLM.from_config(page["config"], attn_implementation="eager")
+    reference = transformers.Trainer(model=eager, args=page["args"], train_dataset=page["dataset"])
+    reference.train()
+    assert len(logged_losses(page["trainer"])) == steps
+    assert logged_losses(page["trainer"]) == logged_losses(reference)
+
+
+def test_accelerate_rejects_the_backend_name_as_the_page_says():
+    """Trainer builds this plugin from TrainingArguments(torch_compile_backend=...); when accelerate starts
+    accepting other backends, this fails and the page's warning can go."""
+    from accelerate.utils import TorchDynamoPlugin
+    with pytest.raises(ValueError, match="'CUDAGRAPH_MODULES' is not a valid DynamoBackend"):
+        TorchDynamoPlugin(backend="cudagraph_modules")
+    assert "'CUDAGRAPH_MODULES' is not a valid DynamoBackend" in PAGE.read_text()
