@@ -11,7 +11,8 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 
-__all__ = ["FsdpParam", "TorchDispatchMode", "aot_compile", "boxed", "cuda_end_allocate_to_pool", "cuda_release_pool",
+__all__ = ["FsdpParam", "TorchDispatchMode", "aot_compile", "boxed", "copy_all", "cuda_end_allocate_to_pool",
+           "cuda_release_pool", "AddressCheck", "at_backward_end", "storage_weak_ref",
            "dynamo_frame", "fsdp2_keep_unsharded", "fsdp2_params", "fsdp2_restore_free", "functorch_level",
            "pop_functorch_level", "resolve_overload", "storage_key", "storage_use_count", "tree_flatten", "tree_unflatten"]
 
@@ -99,6 +100,58 @@ def storage_use_count(sid: int) -> int:
     SavedVariables all visible.
     """
     return torch._C._storage_Use_Count(sid)
+
+
+_DATA_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+class AddressCheck:
+    """`check(args)`: is args[i].data_ptr() == ptrs[k] for each k, i in enumerate(indices)? In one C call where
+    torch has one: torch._C._tensors_data_ptrs_at_indices_equal(tensors, ptrs by position, indices) (CUDA
+    builds; what cudagraph_trees checks static inputs with; checked 2.11, 2.13; absent from CPU wheels), else one
+    pass of map() over the C method."""
+
+    def __init__(self, indices: Sequence[int], ptrs: Sequence[int]):
+        self.indices = list(indices)
+        self.ptrs = list(ptrs)
+        contiguous = bool(self.indices) and self.indices == list(range(self.indices[0], self.indices[-1] + 1))
+        self._slice = slice(self.indices[0], self.indices[-1] + 1) if contiguous else None
+        by_position: List[Optional[int]] = [None] * (max(self.indices) + 1 if self.indices else 0)
+        for i, ptr in zip(self.indices, self.ptrs):
+            by_position[i] = ptr
+        self.by_position = by_position
+
+    def __call__(self, args: Sequence[Any]) -> bool:
+        if not self.indices:
+            return True
+        if _DATA_PTRS_EQUAL is not None:
+            return _DATA_PTRS_EQUAL(list(args), self.by_position + [None] * (len(args) - len(self.by_position)),
+                                    self.indices)
+        if self._slice is not None:
+            return list(map(_DATA_PTR, args[self._slice])) == self.ptrs
+        return list(map(_DATA_PTR, map(args.__getitem__, self.indices))) == self.ptrs
+
+
+def copy_all(destinations: List[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """destinations[k].copy_(sources[k]) for every k in one dispatch: torch._foreach_copy_ (semi-private, used by
+    torch.optim; checked 2.11, 2.13)."""
+    torch._foreach_copy_(destinations, list(sources))
+
+
+def at_backward_end(callback: Callable[[], None]) -> None:
+    """Run `callback` when the autograd backward pass now running finishes: the engine's queue_callback
+    (torch.autograd.Variable._execution_engine, private; FSDP2 uses it the same way; checked 2.11, 2.13).
+    Must be called from inside a backward pass."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def storage_weak_ref(t: torch.Tensor) -> Any:
+    """A weak reference to t's storage that tells whether anything (t, a view of it, autograd) still holds it:
+    `.expired()`. torch.multiprocessing.reductions.StorageWeakRef (what cudagraph_trees tracks outputs with;
+    checked 2.11, 2.13)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    return StorageWeakRef(t.untyped_storage())
 
 
 def cuda_end_allocate_to_pool(device: torch.device, pool: Any) -> bool:

@@ -171,7 +171,8 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
             submod, [n.meta.get("example_value") for n in inputs], name=f"graph {graph_plan.index} {name}",
             static_input_indices=[i for i, n in enumerate(inputs) if n.name in static_names], runtime=runtime,
             location=first or _first_location(submod), frame=frame_name(submod),
-            input_names=[input_description(by_name[n.name]) if n.name in by_name else n.name for n in inputs])
+            input_names=[input_description(by_name[n.name]) if n.name in by_name else n.name for n in inputs],
+            batch_symbol=graph_plan.batch_symbol if graph_plan.batch_layout is not None else None)
         if config.verify:
             wrapped = VerifiedPartition(wrapped, submod, f"graph {graph_plan.index} {name}", config.verify,
                                         skip=config.cuda_graph_warmup_steps)

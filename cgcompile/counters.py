@@ -16,7 +16,8 @@ _lock = threading.Lock()
 def _zero() -> Dict[str, Any]:
     return {
         "graphs_captured": 0,    # driver captures (forward, backward and inference graphs each count one)
-        "replays": 0,            # graph replays
+        "replays": 0,            # graph replays, the run of the call that captured a graph included
+        "steady_replays": 0,     # replays of a graph after the call that captured it: what pays for a capture
         "eager_fallbacks": [],   # {"partition", "reason"}: each distinct (partition, reason) once
         "recaptures": [],        # {"partition", "reason"}: every re-capture of an existing graph
         "pool_bytes": 0,         # device memory reserved while capturing (CUDA only; 0 elsewhere)
@@ -44,7 +45,15 @@ def stats() -> Dict[str, Any]:
     snapshot["graphs"] = graph_memory()
     snapshot["graph_bytes"] = held_bytes(snapshot["graphs"])
     snapshot["partitions"] = partition_stats()
+    snapshot["reuse"] = reuse(snapshot["partitions"])
     return snapshot
+
+
+def reuse(partitions: list) -> float:
+    """Over partitions' rows (stats()["partitions"]): the share of calls after warmup that a graph captured at an
+    earlier call served. What pays for capture: a graph captured and not reused is pure cost."""
+    after = sum(p["calls"] - p["warmup_calls"] for p in partitions)
+    return round(sum(p["replays"] for p in partitions) / after, 3) if after > 0 else 0.0
 
 
 def reset_stats() -> None:
@@ -58,6 +67,14 @@ def add(name: str, amount: float = 1) -> None:
     """Increase a numeric counter."""
     with _lock:
         _state[name] += amount
+
+
+def add_replay(steady: bool) -> None:
+    """Count one graph replay (and whether it is a steady one): one lock for the replay path."""
+    with _lock:
+        _state["replays"] += 1
+        if steady:
+            _state["steady_replays"] += 1
 
 
 def record(name: str, partition: str, reason: str, *, once: bool = False) -> bool:

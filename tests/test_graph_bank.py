@@ -109,16 +109,17 @@ class TestSizesThatDoNotRepeat(expecttest.TestCase):
         model = mlp()
         reference = copy.deepcopy(model)
         run = compiled(model, max_graphs_per_partition=4)
-        rows = [3, 3, 3, 4, 5, 6, 7, 8, 9, 10, 3, 11, 12, 3]
+        rows = [3, 3, 3, 4, 5, 6, 7, 8, 9, 10, 3, 11, 12, 3, 13, 14, 3]
         with self.assertLogs("cgcompile", level="WARNING") as logs:
             for i, n in enumerate(rows):
                 self.assertTrue(torch.equal(step(run, batch(n, i)), step(reference, batch(n, i))))
         row = partition_row()
-        self.assertEqual((row["calls"], row["replays"], row["misses"], row["sizes"]), (14, 3, 11, 5))
-        self.assertEqual(row["captures"], 1)  # rows 3, kept and replayed after the stop
+        # each size is judged JUDGE_AFTER calls after it first came: the stop waits until six came once only
+        self.assertEqual((row["calls"], row["replays"], row["misses"], row["sizes"]), (17, 4, 13, 12))
+        self.assertEqual((row["one_off_sizes"], row["captures"]), (7, 1))  # rows 3, kept and replayed after the stop
         self.assertEqual(len([m for m in logs.output if "stops capturing" in m]), 1)
         self.assertEqual(len(cgcompile.stats()["graphs"]), 2)
-        self.assertExpectedInline(row["stopped"], """5 distinct input sizes in its first 7 calls, more than max_graphs_per_partition=4 could hold: its input sizes do not repeat (e.g. rows selected by nonzero before a graph break); new sizes run eagerly, the graphs it has keep replaying. Fix: dynamic_padding='buckets' (or 'max') with torch._dynamo.config.capture_dynamic_output_shape_ops=True when the sizes come from nonzero or a boolean mask, or capture_sizes=[...] when they are a batch dimension.""")
+        self.assertExpectedInline(row["stopped"], """7 of the 8 input sizes judged so far came once and not again: its input sizes do not repeat (e.g. rows selected by nonzero before a graph break); new sizes run eagerly, the graphs it has keep replaying. Fix: dynamic_padding='buckets' (or 'max') with torch._dynamo.config.capture_dynamic_output_shape_ops=True when the sizes come from nonzero or a boolean mask, or capture_sizes=[...] when they are a batch dimension.""")
 
 
 MOE = MODELS["moe_mask"]
@@ -155,7 +156,7 @@ def test_moe_with_new_sizes_every_step_holds_memory_that_does_not_grow():
     stopped = [p for p in parts if p["stopped"]]
     assert stopped and all("do not repeat" in p["stopped"] for p in stopped)
     kept = [p for p in parts if not p["stopped"] and p["calls"] > 8]
-    assert kept and sum(p["replays"] for p in kept) >= 0.8 * sum(p["calls"] for p in kept)
+    assert kept and sum(p["replays"] for p in kept) >= 0.9 * sum(p["calls"] - p["warmup_calls"] for p in kept)
     # labels: unique, naming the user's code
     assert len(labels) == len(set(labels)) and all("moe.py:" in label for label in labels)
 

@@ -67,6 +67,8 @@ class CountCopies(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.copy_.default and id(args[0]) in self.targets:
             self.copies += 1
+        if func is torch.ops.aten._foreach_copy_.default:  # the runtime copies a call's inputs in one dispatch
+            self.copies += sum(id(t) in self.targets for t in args[0])
         return func(*args, **(kwargs or {}))
 
 
@@ -111,7 +113,7 @@ def test_forward_backward_parity_and_held_gradient_buffers():
         assert_close(x1.grad, x2.grad)
         for a, b in zip(model.parameters(), ref.parameters()):
             assert_close(a.grad, b.grad)
-            assert not rt.is_static(a.grad)  # AccumulateGrad copied, never stole a static buffer
+            assert not rt.owns(a.grad)  # AccumulateGrad copied, never stole a static buffer
     s = stats()
     assert s["graphs_captured"] == 2 and s["replays"] == 6  # fwd+bwd captured at step 1, replayed at 2, 3
 
@@ -135,7 +137,7 @@ def test_cleared_grads_are_stolen_and_kept_grads_stay_exact():
     p = partition(model, rt)
     for step in range(4):
         p(torch.randn(5, 6)).pow(2).sum().backward()
-        stolen = [rt.is_static(a.grad) for a in model.parameters()]
+        stolen = [rt.owns(a.grad) for a in model.parameters()]
         model.zero_grad(set_to_none=True)
     assert all(stolen)  # grads cleared before two replays in a row: AccumulateGrad kept the graph's outputs
     for step in range(3):  # accumulation: the first micro-step's grads are held through the second
@@ -151,7 +153,7 @@ def test_cleared_grads_are_stolen_and_kept_grads_stay_exact():
         _step(model, p, ref, torch.randn(5, 6), zero=False)
         model.zero_grad(set_to_none=False)
         ref.zero_grad(set_to_none=False)
-    assert not any(rt.is_static(a.grad) for a in model.parameters())
+    assert not any(rt.owns(a.grad) for a in model.parameters())
     assert stats()["replays"] > 10 and not stats()["eager_fallbacks"]
 
 
@@ -168,7 +170,7 @@ def test_second_backward_through_one_forward_never_overwrites_stolen_grads():
     loss, ref_loss = p(x).pow(2).sum(), ref(x).pow(2).sum()
     loss.backward(retain_graph=True)
     ref_loss.backward(retain_graph=True)
-    assert all(rt.is_static(a.grad) for a in model.parameters())  # the first one was stolen
+    assert all(rt.owns(a.grad) for a in model.parameters())  # the first one was stolen
     for a, b in zip(model.parameters(), ref.parameters()):  # e.g. clipped: .grad is no longer what was replayed
         a.grad.mul_(0.5), b.grad.mul_(0.5)
     loss.backward()
@@ -195,7 +197,7 @@ def test_stolen_grads_held_keep_earlier_shared_pool_graphs_from_replaying():
         if step < 3:
             for m in (a, b, ref_a, ref_b):
                 m.zero_grad(set_to_none=True)
-    assert all(rt.is_static(q.grad) for q in b.parameters())  # stolen, and held into the next step
+    assert all(rt.owns(q.grad) for q in b.parameters())  # stolen, and held into the next step
     x = torch.randn(5, 6)
     run(x).backward()
     ref_b(ref_a(x)).pow(2).sum().backward()
@@ -233,7 +235,7 @@ def test_previous_partitions_static_output_is_borrowed_not_copied():
         with CountCopies(first, second) as counter:
             out = second(first(x))
         assert counter.copies == 1  # x into first's buffer; first's output is read in place by second
-        assert rt.is_static(out) and torch.equal(out, (torch.relu(x) + 1) ** 2)
+        assert rt.owns(out) and torch.equal(out, (torch.relu(x) + 1) ** 2)
         assert stats()["graphs_captured"] == 2
 
 
@@ -327,9 +329,8 @@ def test_bank_cap_runs_eagerly_and_logs_once(caplog):
     rt = runtime(max_graphs_per_partition=2)
     p = partition(lambda x: x.exp(), rt)
     with caplog.at_level(logging.WARNING, logger="cgcompile"):
-        with torch.no_grad():
-            xs = [torch.randn(3) for _ in range(6)]
-            held = [p(x) for x in xs]  # held outputs keep every instance busy
+        xs = [torch.randn(3, requires_grad=True) for _ in range(6)]
+        held = [p(x) for x in xs]  # backwards pending on every output keep every instance held
     for x, out in zip(xs, held):
         assert torch.equal(out, x.exp())
     s = stats()
@@ -357,17 +358,18 @@ def test_finish_frame_outputs_clones_only_static_memory():
     x = torch.randn(3)
     with torch.no_grad():
         for _ in range(3):
-            out = p(x)
+            p(x)  # outputs dropped at once (one kept across calls would be handed out as a copy)
+        out = p(x)
     plain = torch.randn(2)
-    assert rt.is_static(out) and not rt.is_static(plain) and not rt.is_static(None)
+    assert rt.owns(out) and not rt.owns(plain) and not rt.owns(None)
     a, b, c = rt.finish_frame_outputs((out, plain, 3))
-    assert not rt.is_static(a) and torch.equal(a, out) and b is plain and c == 3
-    assert not rt.is_static(rt.finish_frame_outputs(out))
+    assert not rt.owns(a) and torch.equal(a, out) and b is plain and c == 3
+    assert not rt.owns(rt.finish_frame_outputs(out))
     rt_keep = runtime(clone_outputs=False)
     assert rt_keep.finish_frame_outputs((out,))[0] is out
 
 
-def test_capture_wave_shares_a_pool_later_captures_do_not(caplog):
+def test_every_capture_shares_the_runtimes_pool_and_the_wave_is_summarised_once(caplog):
     rt = runtime()
     first = partition(lambda x: x.sin(), rt, "first")
     second = partition(lambda x: x.cos(), rt, "second")
@@ -376,8 +378,9 @@ def test_capture_wave_shares_a_pool_later_captures_do_not(caplog):
             second(first(torch.randn(4)))
         for _ in range(2):
             second(first(torch.randn(5)))  # a new shape after the wave: warmup call, then capture
-    graphs = [g for p in (first, second) for g in graphs_of(p, "inference")]
-    assert sorted(g.shared_index is not None for g in graphs) == [False, False, True, True]
+    graphs = sorted((g for p in (first, second) for g in graphs_of(p, "inference")), key=lambda g: g.pool_position)
+    assert [g.pool_position for g in graphs] == [0, 1, 2, 3]  # in capture order, in one pool
+    assert len({id(g.captured.pool) for g in graphs}) == 1
     summary = [r.getMessage() for r in caplog.records if "captured 2 graphs" in r.getMessage()]
     assert len(summary) == 1
 

@@ -128,7 +128,7 @@ def grads(model):
 
 def is_static(runtimes, t):
     """Does t live in memory a captured graph of one of these runtimes owns?"""
-    return any(rt.is_static(t) for rt in runtimes)
+    return any(rt.owns(t) for rt in runtimes)
 
 
 @pytest.fixture(autouse=True)
@@ -466,7 +466,7 @@ def test_graph_bank_cap_falls_back_to_eager(caplog):
 
 
 class _FailingDriver(emulate_driver.EmulateDriver):
-    def capture(self, fn, static_inputs, pool=None, *, warmup=True):
+    def capture(self, fn, static_inputs, pool=None, **options):
         raise driver_mod.CaptureError("injected failure")
 
 

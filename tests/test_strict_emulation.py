@@ -264,7 +264,7 @@ def test_the_pool_rule_is_what_keeps_accumulation_exact(pool_rule, monkeypatch):
     from cgcompile.runtime.model_runtime import ModelRuntime
 
     if not pool_rule:
-        monkeypatch.setattr(ModelRuntime, "may_replay", lambda self, graph: True)
+        monkeypatch.setattr(ModelRuntime, "pool_allows", lambda self, graph: True)
     torch.manual_seed(0)
     model, reference = _Pair(), _Pair()
     reference.load_state_dict(model.state_dict())

@@ -13,16 +13,17 @@ How (graph.py, graph_family.py and partition_runner.py apply it; this module kee
   (a device copy inside the graph; its own result is then a temporary) and hands out views of the arena. The
   arena's views are static inputs of the graph, so the emulate driver sees capture leave them untouched, as a
   real capture does.
-- An arena is *busy* while anything beyond its members and the graphs that borrow its memory references it
-  (an output alias alive or saved for backward, a view the caller kept, stolen grads). A member replays only
-  when its arena is idle; otherwise the call takes another instance, in another arena (fwd, fwd, bwd, bwd with
-  two sizes gives two arenas), exactly as for a busy graph.
-- Pool: an arena's members capture into the arena's own memory pool, so their temporaries reuse one another's
-  memory too. Safe because no member replays while another member is busy, even with memory of its own (an
-  output that could not move, an input buffer): a later member's memory may lie where an earlier one's
-  temporaries were.
+- An arena is *held* while anything beyond its members and the graphs that borrow its memory references it
+  (an output alias alive or saved for backward, a view the caller kept, stolen grads; memory_claim.py). A member
+  replays only when its arena is free; otherwise the call takes another instance, in another arena (fwd, fwd,
+  bwd, bwd with two sizes gives two arenas), exactly as for a held graph.
+- Pool: members capture into the runtime's one pool like every graph, so the pool rule (model_runtime.py) keeps a
+  member from replaying while a graph captured after it is held; and no member replays while another member is
+  held, even with memory of its own (an output that could not move, an input buffer).
 - Capacity: a new size that fits no idle arena gets a new one, as large per position as the largest arena of
-  its group or the size needs, whichever is more. Arenas smaller than that are then *superseded*: once idle,
+  its group, the size needs, or the sizes known to come need (the largest each position took in the eager
+  warmup runs of every size so far, and for declared `capture_sizes` the largest declared size), whichever is
+  more. Arenas smaller than that are then *superseded*: once idle,
   their members are released and their sizes capture again into a full-size arena at their next call (one
   capture each time the largest size grows; sizes that repeat stop growing it soon). So a group holds one
   full-size arena per graph in flight at a time, whatever the number of sizes. An arena goes away with its
@@ -40,6 +41,7 @@ import torch
 from .. import _compat
 from .driver import CaptureError
 from .layout import copy_into
+from .memory_claim import MemoryClaim
 
 __all__ = ["ArenaGroup", "OutputArena", "OutputLayout", "arena_capacity", "largest_capacity", "output_layouts",
            "span_bytes", "superseded", "writing_into"]
@@ -110,18 +112,15 @@ class OutputArena:
     together. Registered with the runtime as the owner of its memory (inputs living there are borrowed, frame
     outputs there are cloned), like a graph's own static outputs."""
 
-    def __init__(self, capacity: Dict[int, int], device: torch.device, pool: Any, name: str):
+    def __init__(self, capacity: Dict[int, int], device: torch.device, name: str):
         self.name = f"arena {next(_serial)} of {name}"
-        self.pool = pool
         self.blocks = {j: torch.empty(n, dtype=torch.uint8, device=device) for j, n in capacity.items() if n}
-        # storage ptr -> [storage handle, use count when idle] (as GraphInstance.owned: borrowers add theirs)
-        self.owned: Dict[int, List[int]] = {}
+        self.claim = MemoryClaim()  # its blocks; borrowers and members add the references they keep
         for block in self.blocks.values():
-            ptr, handle = _compat.storage_key(block)
-            self.owned[ptr] = [handle, _compat.storage_use_count(handle)]
+            self.claim.own(*_compat.storage_key(block))
+        self.claim.settle()
         self.members: Dict[Any, Tuple[Any, Dict[int, int]]] = {}  # family -> (graph, references it keeps)
-        self.free = False  # found idle since a member last replayed (see busy())
-        self.owner = None  # not a graph family's instance (GraphFamily.instance_for looks for one)
+        self.family = None  # no graph family's instance (GraphFamily.instance_for looks for one)
 
     @property
     def alive(self) -> bool:
@@ -151,15 +150,12 @@ class OutputArena:
                 found.append((j, view))
         return found
 
-    def use_counts(self) -> Dict[int, int]:
-        return {ptr: _compat.storage_use_count(handle) for ptr, (handle, _) in self.owned.items()}
-
     def join(self, family: Any, graph: Any, before: Dict[int, int]) -> None:
         """`graph` (captured for `family`'s size) now writes here; what its capture added to the use counts since
         `before` are references it keeps while idle."""
-        kept = {ptr: count - before[ptr] for ptr, count in self.use_counts().items()}
+        kept = {ptr: count - before[ptr] for ptr, count in self.claim.use_counts().items()}
         for ptr, extra in kept.items():
-            self.owned[ptr][1] += extra
+            self.claim.keep(ptr, extra)
         self.members[family] = (graph, kept)
 
     def leave(self, graph: Any) -> None:
@@ -167,35 +163,27 @@ class OutputArena:
         for family, (member, kept) in list(self.members.items()):
             if member is graph:
                 for ptr, extra in kept.items():
-                    self.owned[ptr][1] -= extra
+                    self.claim.keep(ptr, -extra)
                 del self.members[family]
 
     def has_member_for(self, family: Any) -> bool:
         return family in self.members
 
-    def note_replay(self) -> None:
-        self.free = False
+    def replayed(self) -> None:
+        """A member wrote the blocks: their users must be found free again."""
+        self.claim.replayed()
 
-    def busy(self) -> bool:
-        """Does anything beyond members and borrowers reference the arena's memory, or is a member busy on its own
-        (its pool holds what the other members' temporaries may overlap)? Once idle, it stays idle until a member
-        replays (new references come only from a replay's aliases, or from a borrower replaying on it, which
-        needs a live reference already), so the answer is cached until then."""
-        if self.free:
-            return False
-        if any(_compat.storage_use_count(handle) > idle for handle, idle in self.owned.values()) or any(
-                graph.busy_alone() for graph, _ in self.members.values()):
-            return True
-        self.free = True
-        return False
+    def held(self) -> bool:
+        """Does anything beyond members and borrowers reference the arena's memory, or is a member held on its own
+        (the pool rule's hazard within the arena)?"""
+        return self.claim.held() or any(graph.claim.held() for graph, _ in self.members.values())
 
 
 class ArenaGroup:
     """The arenas of one partition, graph kind and parameter set: where the next captured size writes."""
 
-    def __init__(self, name: str, new_pool: Any):
+    def __init__(self, name: str):
         self.name = name
-        self.new_pool = new_pool
         self._arenas: List[weakref.ref] = []  # members keep an arena alive; an arena without members goes
 
     def arenas(self) -> List[OutputArena]:
@@ -203,9 +191,11 @@ class ArenaGroup:
         self._arenas = [ref for ref, arena in zip(self._arenas, found) if arena is not None and arena.alive]
         return [arena for arena in found if arena is not None and arena.alive]
 
-    def place(self, family: Any, layouts: Sequence[OutputLayout], device: torch.device) -> Optional[OutputArena]:
-        """The arena a new graph of `family` (one input signature) writes its outputs into: an idle full-size one
-        without a graph of this signature yet, else a new full-size one (arena_capacity)."""
+    def place(self, family: Any, layouts: Sequence[OutputLayout], device: torch.device,
+              reserve: Dict[int, int]) -> Optional[OutputArena]:
+        """The arena a new graph of `family` (one input signature) writes its outputs into: a free full-size one
+        without a graph of this signature yet, else a new full-size one (arena_capacity), holding at least
+        `reserve` bytes per position (sizes known to come)."""
         needs = {j: layout[3] for j, layout in enumerate(layouts) if layout is not None}
         if not needs:
             return None
@@ -213,16 +203,17 @@ class ArenaGroup:
         capacities = [a.capacity() for a in arenas]
         small = set(superseded(capacities))
         for index, arena in enumerate(arenas):
-            if index not in small and arena.fits(needs) and not arena.has_member_for(family) and not arena.busy():
+            if index not in small and arena.fits(needs) and not arena.has_member_for(family) and not arena.held():
                 return arena
-        arena = OutputArena(arena_capacity(needs, largest_capacity(capacities)), device, self.new_pool(), self.name)
+        wanted = {j: max(n, reserve.get(j, 0)) for j, n in needs.items()}
+        arena = OutputArena(arena_capacity(wanted, largest_capacity(capacities)), device, self.name)
         self._arenas.append(weakref.ref(arena))
         return arena
 
-    def superseded_idle(self) -> List[OutputArena]:
-        """Arenas smaller than the group's largest whose members may move now (idle): the runner releases them."""
+    def superseded_free(self) -> List[OutputArena]:
+        """Arenas smaller than the group's largest whose members may move now (free): the runner releases them."""
         arenas = self.arenas()
-        return [arenas[i] for i in superseded([a.capacity() for a in arenas]) if not arenas[i].busy()]
+        return [arenas[i] for i in superseded([a.capacity() for a in arenas]) if not arenas[i].held()]
 
 
 def writing_into(run: Any, arena_positions: Sequence[int], first: int) -> Any:

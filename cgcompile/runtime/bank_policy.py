@@ -7,13 +7,18 @@ capturing each fills the bank with graphs that are never replayed, each holding 
 grows with the number of sizes ever seen. And a partition whose parameters move on every call (FSDP2
 re-allocating unsharded parameters) re-captures on every call, slower than eager.
 
-The rules (thresholds chosen by measurement, docs/graph-bank.md). The clock is the partition's own calls,
-counted per live graph of the partition (a steady loop calls each graph it uses about once a step):
-- judge: a graph not replayed within `JUDGE_AFTER` calls per live graph of its capture is *wasted*: released;
-- release: a graph not replayed in the last `RELEASE_WINDOW` calls per live graph is released;
-- stop on sizes that do not repeat: more distinct sizes than the bank may hold, on at least half of the calls
-  (`new_sizes_keep_coming`), or `WASTED_TO_STOP` wasted graphs that are at least half of those judged
-  (`sizes_do_not_repeat`): the partition stops capturing new sizes; the graphs it has keep replaying;
+Every decision waits for evidence: a graph is judged on its own reuse, on the clock of its own parameter set
+(the calls of the partition with that layer's parameters: one compiled frame serves every layer of a model that
+graph-breaks in its layers, and a steady loop calls each layer once a step), so no graph is judged before its
+layer has come round again, however deep the model; and the clock is read per round of the loop's cycle (the
+set's graphs, or the input sizes in rotation when more), so sizes that cycle come round before they are judged.
+The rules (thresholds chosen by measurement, docs/graph-bank.md), in rounds of the graph's parameter set:
+- judge: a graph not run again within `JUDGE_AFTER` of them after its capture is *wasted*: released;
+- release: a graph not run in the last `RELEASE_WINDOW` of them is released;
+- stop on sizes that do not repeat: once `WASTED_TO_STOP` graphs were wasted and they are at least half of those
+  judged, or as many input sizes (graph-bank keys) were seen once and never again within `JUDGE_AFTER` calls
+  per parameter set, at least half of the sizes so judged: the partition stops capturing new sizes; the graphs
+  it has keep replaying;
 - stop on a re-capture storm: a graph re-captured `STORM_STREAK` times in a row (static input moved) with no
   replay in between: the partition runs eagerly from then on.
 """
@@ -24,7 +29,7 @@ import dataclasses
 from typing import Any, Dict, Optional
 
 __all__ = ["JUDGE_AFTER", "RELEASE_WINDOW", "STORM_STREAK", "WASTED_TO_STOP", "BankCounters", "is_judged",
-           "is_stale", "new_sizes_keep_coming", "recapture_streak", "sizes_do_not_repeat", "storm"]
+           "is_stale", "mostly_wasted", "recapture_streak", "storm"]
 
 RELEASE_WINDOW = 16
 JUDGE_AFTER = 4
@@ -35,54 +40,59 @@ STORM_STREAK = 3
 @dataclasses.dataclass
 class BankCounters:
     """One partition's graph-bank accounting. calls = replays + misses (forward and inference calls; a backward
-    follows its forward instance); a miss replayed nothing: a warmup call, a capture, or an eager run (bank full,
-    stopped). captures and recaptures count forward/inference graphs (each with its backward), releases the
-    graphs the policy released; judged/wasted: graphs old enough to judge, and those never replayed."""
+    follows its forward instance). replays: calls a graph captured at an earlier call served (steady replays:
+    what pays for capture); a miss replayed nothing captured earlier: a warmup call, a capture (whose own run
+    replays the new graph), or an eager run (bank full, stopped); warmup_calls: the eager calls before each
+    parameter set's first capture. captures and recaptures count
+    forward/inference graphs (each with its backward), releases the graphs the policy released; judged/wasted:
+    graphs old enough to judge, and those never run again; sizes / one_off_sizes: input signatures seen, and those
+    judged seen once only."""
 
     calls: int = 0
     replays: int = 0
+    warmup_calls: int = 0
     misses: int = 0
     captures: int = 0
     recaptures: int = 0
     releases: int = 0
-    sizes: int = 0  # distinct input signatures seen (graph-bank keys)
+    sizes: int = 0
+    one_off_sizes: int = 0
     judged: int = 0
     wasted: int = 0
+    copied_outputs: int = 0  # output positions handed out as copies (kept by callers beyond their step)
     stopped: Optional[str] = None  # why the partition stopped capturing (new sizes, or at all)
 
     def hit_rate(self) -> float:
         return self.replays / self.calls if self.calls else 0.0
 
+    def reuse(self) -> float:
+        """Replays per call after warmup: the share of those calls a graph captured at an earlier call served."""
+        after = self.calls - self.warmup_calls
+        return self.replays / after if after > 0 else 0.0
+
     def as_dict(self) -> Dict[str, Any]:
         row = dataclasses.asdict(self)
         row["hit_rate"] = round(self.hit_rate(), 3)
+        row["reuse"] = round(self.reuse(), 3)
         return row
 
 
 def is_stale(last_use: int, now: int, graphs: int, window: int = RELEASE_WINDOW) -> bool:
-    """Was a graph last used (captured or replayed) more than `window` calls per live graph of its partition ago?
-
-    `now` and `last_use` count the partition's calls. A steady loop calls each graph it uses about once a step,
-    and one partition may hold several (every layer, when one compiled frame serves them all; several shapes;
-    grad and no-grad), so the window scales with their number and reads as steps."""
+    """Was a graph last run (captured or replayed) more than `window` calls of its parameter set per graph of
+    that set ago? Several graphs of one parameter set (sizes, grad and no-grad) share its calls: the window
+    stretches with their number."""
     return now - last_use > window * max(1, graphs)
 
 
 def is_judged(captured_at: int, now: int, graphs: int, judge_after: int = JUDGE_AFTER) -> bool:
-    """Is a graph old enough (`judge_after` calls per live graph since its capture, see is_stale) to tell
-    whether its size repeats? A graph whose size repeats is replayed within a few steps."""
+    """Is a graph old enough (`judge_after` calls of its parameter set per graph of that set since its capture)
+    to tell whether its size repeats? A graph whose size repeats is run again within a few steps."""
     return now - captured_at > judge_after * max(1, graphs)
 
 
-def new_sizes_keep_coming(sizes: int, calls: int, cap: int) -> bool:
-    """Does at least every other call bring a size never seen before, more sizes than the bank may hold per
-    parameter set (`cap`)? Then most sizes never get a graph (each warms up first), whatever is captured."""
-    return sizes > cap and 2 * sizes >= calls
-
-
-def sizes_do_not_repeat(counters: BankCounters, wasted_to_stop: int = WASTED_TO_STOP) -> bool:
-    """Have enough of this partition's judged captures gone unreplayed to stop capturing new sizes?"""
-    return counters.wasted >= wasted_to_stop and 2 * counters.wasted >= counters.judged
+def mostly_wasted(wasted: int, judged: int, wasted_to_stop: int = WASTED_TO_STOP) -> bool:
+    """Have enough of the judged captures (or sizes) gone unused again to stop capturing new sizes?"""
+    return wasted >= wasted_to_stop and 2 * wasted >= judged
 
 
 def recapture_streak(previous_streak: int, replays: int) -> int:

@@ -15,6 +15,7 @@ from .. import _compat
 from .capture_guard import capture_guard
 from .driver import CaptureError, CapturedGraph, Driver, Fn
 from .global_state import preserved_global_state
+from .write_undo import WriteUndo
 
 __all__ = ["CudaDriver", "release_cuda_graphs"]
 
@@ -51,8 +52,9 @@ def release_cuda_graphs() -> None:
 class CudaDriver(Driver):
     """torch.cuda.CUDAGraph capture on a side stream, `capture_error_mode="thread_local"`.
 
-    Before capture, fn runs once on the side stream (torch's documented warmup: lazy cuBLAS/cuDNN init must not
-    happen inside a capture) under the host-sync guard. Pools come from torch.cuda.graph_pool_handle(); the
+    Before capture, unless the caller warmed up on the side stream itself (`warmup=False`), fn runs once on the
+    side stream (torch's documented warmup: lazy cuBLAS/cuDNN init must not happen inside a capture) under the
+    host-sync guard, its writes undone. Pools come from torch.cuda.graph_pool_handle(); the
     runtime decides which graphs share one. RNG: torch registers the default CUDA generator with a capture by
     itself (2.11/2.13: a generator used during capture creates its per-capture state lazily, see
     CUDAGeneratorImpl::philox_cuda_state and CUDAGraph::capture_end), so each replay draws fresh numbers; we
@@ -86,7 +88,7 @@ class CudaDriver(Driver):
         return self._stream
 
     def capture(self, fn: Fn, static_inputs: Sequence[Any], pool: Any = None, *,
-                warmup: bool = True) -> CapturedGraph:
+                warmup: bool = True, written: Sequence[int] = ()) -> CapturedGraph:
         # explicit even when private, so a failed capture can release it
         pool = self.live_pool(pool) if pool is not None else self.new_pool()
         stream = self._side_stream()
@@ -94,9 +96,13 @@ class CudaDriver(Driver):
             current = torch.cuda.current_stream()
             stream.wait_stream(current)
             if warmup:
-                # The warmup's draws must not shift the generator: the replay after capture draws what eager would.
-                with preserved_global_state(rng=True), torch.cuda.stream(stream), capture_guard(on_cuda=True):
+                # The warmup's draws must not shift the generator, nor its writes survive: the replay after capture
+                # draws and writes what eager would.
+                undo = WriteUndo([static_inputs[i] for i in written])
+                with preserved_global_state(rng=True), torch.cuda.stream(stream), capture_guard(on_cuda=True), undo:
                     fn(list(static_inputs))  # result dropped at once: its memory is free for the capture
+                with torch.cuda.stream(stream):
+                    undo.restore()
             torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # torch.cuda.graph does this too; before measuring, so the delta is the pool's

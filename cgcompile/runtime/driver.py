@@ -83,9 +83,12 @@ class Driver:
         return contextlib.nullcontext()
 
     def capture(self, fn: Fn, static_inputs: Sequence[Any], pool: Any = None, *,
-                warmup: bool = True) -> CapturedGraph:
+                warmup: bool = True, written: Sequence[int] = ()) -> CapturedGraph:
         """`warmup=False` skips the driver's own pre-capture run, for callers that warmed up themselves and
-        whose fn has side effects that must not happen twice (a whole training step)."""
+        whose fn has side effects that must not happen twice (a whole training step). A run the driver makes
+        (emulate's capture, CUDA's warmup) leaves the static inputs as it found them: writes ops announce are
+        undone (write_undo.py), and `written` names the inputs fn writes where no op announces it (a compiled
+        kernel), saved before and restored after."""
         raise NotImplementedError
 
 

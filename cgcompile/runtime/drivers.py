@@ -20,7 +20,7 @@ class EagerDriver(Driver):
     captures = False
 
     def capture(self, fn: Fn, static_inputs: Sequence[Any], pool: Any = None, *,
-                warmup: bool = True) -> CapturedGraph:
+                warmup: bool = True, written: Sequence[int] = ()) -> CapturedGraph:
         raise TypeError("the eager driver captures nothing: check Driver.captures first")
 
 

@@ -37,12 +37,12 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from .. import _compat
-from ..passes.common import schema_writes
 from .capture_guard import capture_guard
 from .driver import CaptureError, CapturedGraph, Driver, Fn, StaleReplayError, emulating
 from .global_state import preserved_global_state
 from .layout import broadcast_core, copy_into
 from .user_frames import user_location
+from .write_undo import WriteUndo
 
 __all__ = ["REPLAY_RANGE", "EmulateDriver", "EmulatedGraph"]
 
@@ -301,12 +301,12 @@ class EmulateDriver(Driver):
         self._pools.clear()
 
     def capture(self, fn: Fn, static_inputs: Sequence[Any], pool: Any = None, *,
-                warmup: bool = True) -> CapturedGraph:
+                warmup: bool = True, written: Sequence[int] = ()) -> CapturedGraph:
         pool = self.live_pool(pool)
         if pool is not None and pool in self._recording:  # what CUDAGraph.capture_begin raises
             raise CaptureError("CUDA graph capture failed: beginAllocateToPool: already recording to mempool_id "
                                "(emulated: an earlier capture into this pool failed)")
-        undo = _WriteUndo()
+        undo = WriteUndo([static_inputs[i] for i in written])
         recorder = _Recorder({_compat.storage_key(t)[0] for t in static_inputs if isinstance(t, torch.Tensor)})
         try:
             # A real capture runs nothing: no write (undo), no random draw and no state change may survive it.
@@ -325,30 +325,3 @@ class EmulateDriver(Driver):
                               self._pools.setdefault(pool, _Pool()) if pool is not None else None)
         _poison(graph.pool_memory)
         return graph
-
-
-class _WriteUndo(_compat.TorchDispatchMode):
-    """Remembers every storage fn writes in place, as it was before the first write, so the emulated capture
-    can be undone: a real capture records kernels and runs none, so parameters, optimizer state and inputs
-    must come out of it unchanged (a captured optimizer step must not also have stepped once)."""
-
-    supports_higher_order_operators = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.saved: dict = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        schema = getattr(func, "_schema", None)  # higher-order operators have none (and are functional here)
-        for value in schema_writes(schema, args, kwargs) if schema is not None else ():
-            if isinstance(value, torch.Tensor):
-                storage = value.untyped_storage()
-                if storage.data_ptr() not in self.saved and storage.nbytes():
-                    self.saved[storage.data_ptr()] = (storage, storage.clone())
-        return func(*args, **kwargs)
-
-    def restore(self) -> None:
-        for storage, before in self.saved.values():
-            storage.copy_(before)
-        self.saved.clear()

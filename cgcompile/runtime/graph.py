@@ -1,70 +1,69 @@
 """One captured graph (`GraphInstance`) and the buffer rules it implements: how each argument of a call reaches
-the graph's static inputs, what a replay hands out, when a graph is busy, when a backward's grads may be stolen.
+the graph's static inputs, what a replay hands out, when a graph is held, when a backward's grads may be stolen.
 
-`capture_instance` classifies each argument, captures through the driver and restores inputs the capture wrote;
-graph_family.py picks the instance a call replays; ModelRuntime (model_runtime.py) keeps the registry of which
-graph owns which memory, the live graphs, and the pool rules. The buffer rules, in one place:
+`capture_instance` classifies each argument and captures through the driver; graph_family.py picks the instance a
+call replays; ModelRuntime (model_runtime.py) keeps the registry of which graph owns which memory, the live graphs
+and the pool rule. The buffer rules, in one place:
 
 - Static inputs (parameters, buffers) are never copied: their address is recorded at capture and checked at
-  replay; a moved one re-captures (counted in stats()["recaptures"]). Other parameters altogether (Dynamo
-  reuses one compiled frame for every layer when layers graph-break) get graphs of their own.
+  replay (one pass over the addresses); a moved one re-captures (counted in stats()["recaptures"]). Other
+  parameters altogether (Dynamo reuses one compiled frame for every layer when layers graph-break) get graphs of
+  their own, found by the address of the partition's first parameter.
 - An input living in memory owned by another captured graph (the previous partition's output, the saved
   activations a backward receives) is *borrowed*: no copy, and the graph only replays for that same address.
-- Everything else is copied into a static buffer owned by the graph (skipped when it is already there).
+- An input the graph writes (a KV cache passed as an argument; Inductor keeps some input mutations in its graphs)
+  is read and written *in place*: no copy in, none back; its address is checked like a parameter's. Once its
+  address is seen to change between calls (an activation written in place), its family copies it in and back
+  instead (graph_family.py).
+- Everything else is copied into a static buffer owned by the graph, all in one call.
 - Forward/inference outputs are handed out as fresh aliases (`detach()`), never the static tensors: autograd
-  attaches grad_fn to the returned objects, so one object reused across calls would corrupt the earlier
-  call's graph. A graph is *busy* while an alias from its last replay is alive (saved for backward, held by
-  the caller) or anything else outside the runtime references its memory (a view or `.detach()` copy,
-  seen through storage use counts). A busy graph is never replayed; the call uses another *instance* of it
-  (captured on demand, like Megatron's per-microbatch graphs), which is what makes fwd, fwd, bwd, bwd
-  correct. Instances count against `max_graphs_per_partition` (per parameter set, i.e. per layer); past it
-  the call runs eagerly.
+  attaches grad_fn to the returned objects, so one object reused across calls would corrupt the earlier call's
+  graph. A graph is *held* while an alias from its last replay is alive (saved for backward, kept by the caller)
+  or anything else references its memory (memory_claim.py). A held graph is never replayed; the call uses another
+  *instance* (captured on demand, like Megatron's per-microbatch graphs), which is what makes fwd, fwd, bwd, bwd
+  correct. Output positions callers keep beyond their step are handed out as copies instead (graph_family.py
+  learns which), so such a caller holds no graph.
 - A backward graph belongs to one forward instance: autograd hands the backward the very alias objects the
-  forward replay returned (they carry their graph), else memory only that instance owns identifies it; it
-  is captured at that instance's first backward. Since a busy instance never replays, an instance has at
-  most one pending backward.
+  forward replay returned (they carry their graph); it is captured at that instance's first backward. Since a
+  held instance never replays, an instance has at most one pending backward.
 - Backward outputs: returned as the held static tensors themselves, AccumulateGrad cannot steal one as
-  `param.grad` and clones it (a kernel per parameter per step, which eager does not pay). So once a backward
+  `param.grad` and clones it (a kernel per parameter per step, which eager does not pay); the next backward nodes
+  read them, so the graph counts as held until the backward pass ends. So once a backward
   graph has seen its parameters' grads cleared (`zero_grad(set_to_none=True)`) before two replays in a row,
   it hands out aliases instead, which AccumulateGrad steals: `param.grad` is then the graph's memory, and the
-  graph (with its forward instance, and under the pool rule every earlier shared-pool graph) stays busy until
+  graph (with its forward instance, and under the pool rule every graph before it in the pool) stays held until
   the grads are released. A loop that keeps grads (accumulation, `set_to_none=False`) never gets there, and
-  one that keeps them after stealing began turns stealing off for that graph (the call that found the grads
-  held takes another instance or runs eagerly; if they are never released, e.g. `set_to_none=False` from
-  then on, that instance stays unused, its memory being `.grad`).
-- Inputs the graph itself writes (Inductor keeps some input mutations in its graphs) are restored after
-  capture, which runs the graph once, and copied back to the caller's tensor after each replay.
+  one found keeping them after stealing began turns stealing off for that graph.
 - A partition whose input sizes vary writes the outputs of its graphs for different sizes into shared memory,
-  an output arena (arena.py): such a graph is also busy while its arena is, and its backward always hands out
+  an output arena (arena.py): such a graph is also held while its arena is, and its backward always hands out
   aliases (autograd may hold a returned grad in an input buffer while another size's backward runs).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
 
 from .. import _compat
-from ..counters import add as count
+from ..counters import add_replay
 from ..passes.common import written_args
 from .arena import ArenaGroup, OutputArena, OutputLayout, output_layouts, span_bytes, writing_into
 from .driver import CaptureError, CapturedGraph, Driver
 from .global_state import preserved_global_state
-from .layout import copy_into, same_repeats, static_copy, uncopyable_reason
-
-log = logging.getLogger("cgcompile")
+from .layout import copy_into, static_copy, uncopyable_reason
+from .memory_claim import MemoryClaim
+from .write_undo import WriteUndo
 
 # How a call argument reaches a graph's static input (ARENA: not an argument, the output arena's views).
-CONST, PARAM, BORROWED, OWNED, ARENA = "const", "param", "borrowed", "owned", "arena"
-MISMATCH = object()  # match(): this graph was captured for other addresses/values; try another instance
+CONST, PARAM, BORROWED, IN_PLACE, OWNED, ARENA = "const", "param", "borrowed", "in_place", "owned", "arena"
+_FIXED = (PARAM, BORROWED, IN_PLACE)  # read where they are: the address must match
 
 
-def is_static_tensor(arg: Any) -> bool:
+def is_param_or_buffer(arg: Any) -> bool:
     """A parameter or buffer seen at run time: nn.Parameter, or a tensor Dynamo marked static (it marks module
     buffers too). Their addresses stay fixed between calls, so graphs read them in place."""
     return isinstance(arg, torch.nn.Parameter) or (
@@ -82,76 +81,67 @@ def storage_ptr(t: torch.Tensor) -> int:
 class GraphInstance:
     """One captured graph, and how each argument of a call reaches its static inputs.
 
-    `owner` is whatever captured it (a GraphFamily, graph_family.py: used to tell its instances apart),
-    `partition` (the partition's name), `label` (its description) and `kind` ("forward", "backward",
-    "inference") name it in logs and stats()["graphs"]. Its
-    fields are written here only; ModelRuntime records ownership through own()/lend()/forget()."""
+    `family` is the GraphFamily (graph_family.py) that captured it; `partition` (the partition's name), `label`
+    (unique, readable) and `kind` ("forward", "backward", "inference") name it in logs and stats()["graphs"];
+    `key` is the parameter set it serves. Its memory (`claim`, memory_claim.py) is registered with the runtime,
+    which records borrowers through borrow()/forget()."""
 
-    def __init__(self, owner: Any, partition: str, label: str, kind: str, captured: CapturedGraph, kinds: List[str],
-                 param_storages: frozenset, capture_seconds: float, mutated: frozenset = frozenset()):
-        self.owner = owner
+    def __init__(self, family: Any, partition: str, label: str, kind: str, captured: CapturedGraph, kinds: List[str],
+                 param_storages: frozenset, capture_seconds: float, key: int, mutated: frozenset = frozenset()):
+        self.family = family
         self.partition = partition
         self.label = label
         self.kind = kind
+        self.key = key
         self.captured: Optional[CapturedGraph] = captured
         self.kinds = kinds
         self.param_storages = param_storages
         self.capture_seconds = capture_seconds
         inputs = captured.static_inputs
-        self.param_ptrs = {i: inputs[i].data_ptr() for i, k in enumerate(kinds) if k is PARAM}
-        self.param_refs: Dict[int, weakref.ref] = {}  # the caller's parameter objects, to tell "moved" apart
-        # match() runs on every call: the expected address or value per position, computed once here.
-        self.param_checks = list(self.param_ptrs.items())
-        self.borrow_checks = [(i, inputs[i].data_ptr()) for i, k in enumerate(kinds) if k is BORROWED]
-        self.const_checks = [(i, inputs[i]) for i, k in enumerate(kinds) if k is CONST]
-        self.copies = [i for i, k in enumerate(kinds) if k is OWNED]
-        # an expanded buffer takes only arguments that repeat along the same dimensions
-        self.repeat_checks = [(i, inputs[i]) for i in self.copies if 0 in inputs[i].stride()]
-        # copied-in inputs the graph writes: the caller's tensor gets the result
-        self.copy_back: List[int] = [i for i in sorted(mutated) if kinds[i] is OWNED]
-        self.owned: Dict[int, List[int]] = {}  # storage ptr -> [storage handle, use count when idle]
-        self.borrowed_from: List[Tuple[GraphInstance, int, int]] = []  # (lender, storage ptr, references we keep)
-        self.shared_index: Optional[int] = None
-        self.arena: Optional[OutputArena] = None  # where its outputs live, for a partition whose sizes vary
+        self.fixed_positions = [i for i, k in enumerate(kinds) if k in _FIXED]
+        self.fixed_ptrs = [inputs[i].data_ptr() for i in self.fixed_positions]
+        # addresses_match(args): are the parameters, borrowed and in-place inputs where this graph reads them?
+        self.addresses_match = _compat.AddressCheck(self.fixed_positions, self.fixed_ptrs)
+        copies = [i for i, k in enumerate(kinds) if k is OWNED]
+        self.copy_back = [i for i in copies if i in mutated]  # written by the graph: the caller's tensor gets it
+        self.in_place = [i for i, k in enumerate(kinds) if k is IN_PLACE]
+        self.expanded_copies = [i for i in copies if 0 in inputs[i].stride()]  # copied by their core
+        self.copies = [i for i in copies if i not in self.expanded_copies]
+        self.copy_buffers = [inputs[i] for i in self.copies]
+        self.copy_ptrs = [b.data_ptr() for b in self.copy_buffers]
+        self.tensor_outputs = [j for j, t in enumerate(captured.static_outputs) if isinstance(t, torch.Tensor)]
+        self.claim = MemoryClaim()
+        self.lenders: List[Tuple[MemoryClaim, int, int]] = []  # (lender's claim, storage ptr, references we keep)
+        self.pool_position: Optional[int] = None
+        self.arena: Optional[OutputArena] = None
         self.replays = 0
-        self.handed: List[weakref.ref] = []  # the aliases the last replay handed out
-        self.free = False  # seen idle since its last replay: stays so until the next replay (see busy())
         self.bw: Optional[GraphInstance] = None  # a forward instance's backward graph
+        self.pending_backward = False  # forward: replayed, its backward not run yet
+        self.in_backward_pass = False  # backward: handed out its static outputs in the backward pass running now
         self.cleared_streak = 0  # backward: replays in a row that found the parameters' grads cleared
-        # Graph-bank bookkeeping (graph_family.py, partition_runner.py, bank_policy.py): the label without its
-        # kind (a backward's label starts with its forward's), the partition's clock at its last use, re-captures
-        # in a row.
-        self.name = label
-        self.last_use = 0
-        self.recapture_streak = 0
+        self.param_refs: Dict[int, weakref.ref] = {}  # the caller's parameter objects: moved, or freed?
 
     # memory registry (ModelRuntime) ----------------------------------------------------------------------
 
-    def own(self, ptr: int, storage_handle: int) -> None:
-        """Record that this graph owns the storage at ptr; its idle use count is settled by settle()."""
-        self.owned[ptr] = [storage_handle, 0]
+    def borrow(self, lender: MemoryClaim, ptr: int, kept: int) -> None:
+        """This graph keeps `kept` references to memory `lender` claims: they count as the lender's idle state."""
+        lender.keep(ptr, kept)
+        self.lenders.append((lender, ptr, kept))
 
-    def borrow(self, lender: "GraphInstance", ptr: int, kept: int) -> None:
-        """This graph keeps `kept` references to memory `lender` owns: they count as the lender's idle state."""
-        lender.owned[ptr][1] += kept
-        self.borrowed_from.append((lender, ptr, kept))
-
-    def settle(self, shared_index: Optional[int]) -> None:
+    def settle(self, pool_position: Optional[int]) -> None:
         """After capture, nothing handed out yet: the current use counts are the graph's own references."""
-        for entry in self.owned.values():
-            entry[1] += _compat.storage_use_count(entry[0])
-        self.shared_index = shared_index
+        self.claim.settle()
+        self.pool_position = pool_position
 
     def forget(self) -> Optional["GraphInstance"]:
         """Give up every memory claim (re-capture, fallback, release) so the storage can be freed. Returns the
         backward graph that belonged to this instance, for the runtime to forget too."""
-        for lender, ptr, kept in self.borrowed_from:
-            if ptr in lender.owned:
-                lender.owned[ptr][1] -= kept
+        for lender, ptr, kept in self.lenders:
+            lender.keep(ptr, -kept)
         bw, self.bw = self.bw, None
         if self.arena is not None:
             self.arena.leave(self)
-        self.borrowed_from, self.owned, self.captured = [], {}, None
+        self.lenders, self.claim, self.captured = [], MemoryClaim(), None
         return bw
 
     @property
@@ -161,30 +151,90 @@ class GraphInstance:
 
     # use -----------------------------------------------------------------------------------------------------
 
-    def remember_params(self, args: Sequence[Any]) -> None:
-        """Keep weak references to the caller's parameter objects, to tell "moved" from "another layer's"."""
-        self.param_refs = {i: weakref.ref(args[i]) for i, k in enumerate(self.kinds) if k is PARAM}
+    def remember_params(self, args: Sequence[Any], on_death: Callable[["GraphInstance"], None]) -> None:
+        """Keep weak references to the caller's parameter objects: to tell "moved" from "another layer's", and
+        to hear when one is freed (load_state_dict(assign=True)): `on_death(graph)` then releases it at once."""
+        me = weakref.ref(self)
 
-    def enter_bank(self, name: str, tick: int, recapture_streak: int = 0) -> None:
-        """Taken into a partition's graph bank at its clock's `tick` (see bank_policy.py)."""
-        self.name, self.last_use, self.recapture_streak = name, tick, recapture_streak
+        def freed(_: Any) -> None:
+            graph = me()
+            if graph is not None and graph.alive:
+                on_death(graph)
 
-    def mark_used(self, tick: int) -> None:
-        self.last_use = tick
+        self.param_refs = {i: weakref.ref(args[i], freed) for i, k in enumerate(self.kinds) if k is PARAM}
+
+    def handed_aliases(self) -> List[Optional[torch.Tensor]]:
+        """The aliases its last replay handed out, by output position (None where dead or copied)."""
+        return self.claim.aliases()
 
     def attach_backward(self, bw: Optional["GraphInstance"]) -> None:
         self.bw = bw
+
+    def backward_ran(self) -> None:
+        """Its backward ran (replayed or eagerly): nothing of its last replay is pending any more."""
+        self.pending_backward = False
 
     def note_grads(self, cleared: bool) -> None:
         """Backward: before this replay the parameters' grads were (not) cleared; two in a row enable stealing."""
         self.cleared_streak = self.cleared_streak + 1 if cleared else 0
 
-    def memory(self) -> Dict[str, int]:
+    def stop_stealing(self) -> None:
+        """The loop keeps the grads it was given across steps: backward outputs are copied from now on."""
+        self.cleared_streak = 0
+
+    @property
+    def steal(self) -> bool:
+        """Backward: hand out aliases that AccumulateGrad may keep as param.grad (grads seen cleared twice)."""
+        return self.cleared_streak >= 2
+
+    def held(self) -> bool:
+        """Is this graph's memory, or the output arena it shares with other sizes (arena.py), in use?"""
+        return self.in_backward_pass or self.claim.held() or (self.arena is not None and self.arena.held())
+
+    def held_positions(self) -> Set[int]:
+        """Output positions of the last replay still in use: an alias alive, or a view of its storage."""
+        storages = self.claim.held_storages()
+        outputs = self.captured.static_outputs if self.captured is not None else []
+        return set(self.claim.alive_aliases()) | {
+            j for j, out in enumerate(outputs) if isinstance(out, torch.Tensor) and storage_ptr(out) in storages}
+
+    def in_place_moved(self, args: Sequence[Any]) -> List[int]:
+        """The in-place inputs this call passes at other addresses, when its parameters and borrowed inputs are
+        where this graph reads them (so only those inputs stop it from replaying)."""
+        inputs = self.captured.static_inputs
+        moved = [i for i in self.in_place if args[i].data_ptr() != inputs[i].data_ptr()]
+        others = [(i, p) for i, p in zip(self.fixed_positions, self.fixed_ptrs) if i not in self.in_place]
+        if moved and all(args[i].data_ptr() == p for i, p in others):
+            return moved
+        return []
+
+    def moved(self, args: Sequence[Any]) -> Optional[str]:
+        """Why this graph is stale for `args`, if one of its own parameter objects is passed at another address
+        (else the call passes other parameters, e.g. another layer's)."""
+        inputs = self.captured.static_inputs
+        for i, ref in self.param_refs.items():
+            if ref() is args[i] and args[i].data_ptr() != inputs[i].data_ptr():
+                return f"static input {i} moved (parameter or buffer re-allocated)"
+        return None
+
+    def _held_until_backward_ends(self) -> None:
+        """A backward graph handed out its static tensors themselves, whose users no claim can see (the next
+        backward node reads them, AccumulateGrad copies them): they are in use until the backward pass ends."""
+        me = weakref.ref(self)
+
+        def ended() -> None:
+            graph = me()
+            if graph is not None:
+                graph.in_backward_pass = False
+
+        self.in_backward_pass = True
+        _compat.at_backward_end(ended)
+
+    def memory(self) -> Dict[str, Any]:
         """Bytes this graph holds: its pool reservation, its copied-in input buffers, its own outputs; and the
         output arena it shares (once per arena in a total), with the bytes of it its outputs take."""
         inputs = self.captured.static_inputs
-        nbytes = {_compat.storage_key(t)[0]: t.untyped_storage().nbytes() for t in inputs
-                  if isinstance(t, torch.Tensor)}
+        nbytes = {storage_ptr(t): t.untyped_storage().nbytes() for t in inputs if isinstance(t, torch.Tensor)}
         buffers = sum(nbytes[storage_ptr(t)] for t, k in zip(inputs, self.kinds) if k is OWNED)
         outputs = {storage_ptr(t): t.untyped_storage().nbytes() for t in self.captured.static_outputs
                    if isinstance(t, torch.Tensor) and storage_ptr(t) not in nbytes}
@@ -197,7 +247,7 @@ class GraphInstance:
     def owned_storages(self) -> List[Tuple[int, int]]:
         """Storages this graph owns: its copied-in input buffers and outputs not aliasing other inputs."""
         inputs = self.captured.static_inputs
-        foreign = {storage_ptr(t) for t, k in zip(inputs, self.kinds) if k in (PARAM, BORROWED, ARENA)}
+        foreign = {storage_ptr(t) for t, k in zip(inputs, self.kinds) if k in (PARAM, BORROWED, IN_PLACE, ARENA)}
         found: Dict[int, int] = {}
         candidates = [t for t, k in zip(inputs, self.kinds) if k is OWNED] + list(self.captured.static_outputs)
         for t in candidates:
@@ -207,107 +257,70 @@ class GraphInstance:
                     found.setdefault(ptr, sid)
         return list(found.items())
 
-    @property
-    def steal(self) -> bool:
-        """Backward: hand out aliases that AccumulateGrad may keep as param.grad (grads seen cleared twice)."""
-        return self.cleared_streak >= 2
-
-    def busy(self) -> bool:
-        """Is this graph, or the output arena it shares with other sizes (arena.py), in use?"""
-        return self.busy_alone() or (self.arena is not None and self.arena.busy())
-
-    def busy_alone(self) -> bool:
-        """Is an alias from the last replay alive (e.g. saved for a pending backward), or does anything
-        besides the runtime still reference this graph's own memory (a view, a `.detach()`ed copy)?
-
-        Once idle, a graph stays idle until its next replay: new references to its memory come only from
-        a replay's aliases, or from a borrower replaying on it, which needs a live reference already.
-        So the result is cached, which keeps the pool rule's scans cheap.
-
-        A backward graph found busy while it hands out stealable grads stops doing so: the loop keeps the
-        grads it was given (see the module docstring).
-        """
-        if self.free:
-            return False
-        if any(ref() is not None for ref in self.handed) or any(
-                _compat.storage_use_count(sid) > idle for sid, idle in self.owned.values()):
-            if self.steal:
-                self.cleared_streak = 0
-                log.debug("cgcompile: %s: gradients kept across steps; backward outputs are copied from now on",
-                          self.label)
-            return True
-        self.free = True
-        return False
-
-    def match(self, args: Sequence[Any]) -> Any:
-        """None if this graph can run `args`; else MISMATCH (captured for other addresses, e.g. another
-        layer's parameters when Dynamo reuses one compiled frame for every layer), or a reason string when
-        one of *its own* static inputs has moved since capture (the graph is stale: re-capture it)."""
-        for i, ptr in self.param_checks:
-            if args[i].data_ptr() != ptr:
-                return self.moved(i) or MISMATCH
-        for i, ptr in self.borrow_checks:
-            if args[i].data_ptr() != ptr:
-                return MISMATCH
-        for i, value in self.const_checks:
-            arg = args[i]
-            if isinstance(arg, torch.Tensor) or arg != value:
-                return MISMATCH
-        for i, buf in self.repeat_checks:
-            if not same_repeats(buf, args[i]):
-                return MISMATCH
-        return None
-
-    def moved(self, i: int) -> Optional[str]:
-        """Why this graph is stale, if the parameter it was captured with at position i now lives elsewhere
-        (else the call simply passes another parameter, e.g. another layer's)."""
-        ref = self.param_refs.get(i)
-        param = ref() if ref is not None else None
-        if param is not None and param.data_ptr() != self.param_ptrs[i]:
-            return f"static input {i} moved (parameter or buffer re-allocated)"
-        return None
-
-    def replay(self, args: Sequence[Any], runtime: Any, alias: bool) -> List[Any]:
-        """Run the graph for `args`; `runtime` (the ModelRuntime) is told of the replay (pool wave, summary)."""
-        inputs = self.captured.static_inputs
+    def replay(self, args: Sequence[Any], alias: bool, copies: Set[int] = frozenset()) -> List[Any]:
+        """Run the graph for `args`: outputs handed out as aliases (or, at positions in `copies`, as copies), or
+        as the static tensors themselves when not `alias` (a backward's grads that AccumulateGrad clones)."""
         with torch.no_grad():
-            for i in self.copies:
-                arg, buf = args[i], inputs[i]
-                if arg.data_ptr() != buf.data_ptr():
-                    copy_into(buf, arg)
-            self.free = False
-            if self.arena is not None:
-                self.arena.note_replay()
+            if self.copies:
+                self._copy_in(args)
+            for i in self.expanded_copies:
+                copy_into(self.captured.static_inputs[i], args[i])
             outputs = list(self.captured.replay())
             for i in self.copy_back:
-                if args[i].data_ptr() != inputs[i].data_ptr():
-                    args[i].copy_(inputs[i])
-            self.handed = []
+                args[i].copy_(self.captured.static_inputs[i])
+            if self.arena is not None:
+                self.arena.replayed()
             if alias:
-                outputs = [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
-                for out in outputs:
-                    if isinstance(out, torch.Tensor):
-                        if self.kind != "backward":
-                            out._cgcompile_graph = self  # lets the backward find its forward instance
-                        self.handed.append(weakref.ref(out))
-        count("replays")
+                handed: List[Any] = [None] * len(outputs)
+                tag = self.kind == "forward"  # lets the backward find its forward instance
+                for j in self.tensor_outputs:
+                    if j in copies:
+                        outputs[j] = outputs[j].clone()
+                        continue
+                    handed[j] = outputs[j] = out = outputs[j].detach()
+                    if tag:
+                        out._cgcompile_source = self
+                self.claim.hand_out(handed)
+            else:
+                self.claim.replayed()
+                self._held_until_backward_ends()
         self.replays += 1
-        runtime.note_replay(self)
+        self.pending_backward = self.kind == "forward"
+        add_replay(self.replays > 1)
         return outputs
+
+    def _copy_in(self, args: Sequence[Any]) -> None:
+        """Copy the call's owned inputs into the static buffers in one dispatch (skipping any already there)."""
+        sources = [args[i] for i in self.copies]
+        ptrs = list(map(_DATA_PTR, sources))
+        if any(map(int.__eq__, ptrs, self.copy_ptrs)):  # a caller passing our own buffer back
+            pairs = [(b, a) for b, a, p, q in zip(self.copy_buffers, sources, ptrs, self.copy_ptrs) if p != q]
+            if pairs:
+                _compat.copy_all([b for b, _ in pairs], [a for _, a in pairs])
+        else:
+            _compat.copy_all(self.copy_buffers, sources)
+
+
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 # --- capture ------------------------------------------------------------------------------------------------
 
 
-def capture_instance(owner: Any, partition: str, label: str, kind: str, run: Callable[[list], Any], args: list,
-                     param_storages: frozenset, mutated: frozenset, runtime: Any, driver: Driver,
+def capture_instance(family: Any, partition: str, label: str, kind: str, run: Callable[[list], Any], args: list,
+                     param_storages: frozenset, mutated: frozenset, key: int, runtime: Any, driver: Driver,
                      names: Sequence[Optional[str]] = (), arenas: Optional[ArenaGroup] = None,
-                     layouts: Optional[List[OutputLayout]] = None) -> GraphInstance:
+                     layouts: Optional[List[OutputLayout]] = None, reserve: Optional[Dict[int, int]] = None,
+                     warmed_up: bool = False,
+                     moving: frozenset = frozenset()) -> GraphInstance:
     """Capture `run` for `args` as a new instance and register it with `runtime` (the ModelRuntime): each
-    argument becomes a constant, a parameter read in place, a borrowed input or a copied-in owned buffer.
-    `names` (per argument, where known) say in a CaptureError which user value an argument is. With `arenas`
-    (a partition whose sizes vary) its fresh outputs go into an output arena of that group (arena.py);
-    `layouts` are its outputs' layouts when known (else one eager run finds them)."""
+    argument becomes a constant, a parameter or in-place input read where it is, a borrowed input or a copied-in
+    owned buffer. `names` (per argument, where known) say in a CaptureError which user value an argument is. With
+    `arenas` (a partition whose sizes vary) its fresh outputs go into an output arena of that group (arena.py);
+    `layouts` are its outputs' layouts when known (else one eager run finds them); `reserve`, bytes per output
+    position a new arena holds at least (the largest sizes seen or declared, so they need no larger one later). `warmed_up`: the caller ran the
+    graph eagerly on the driver's warmup stream already, so the driver needs no warmup run of its own. `moving`:
+    written inputs seen at other addresses before, copied in and back rather than read in place."""
     lenders = runtime.lenders(args)
     kinds: List[str] = []
     inputs: List[Any] = []
@@ -316,8 +329,8 @@ def capture_instance(owner: Any, partition: str, label: str, kind: str, run: Cal
             kinds.append(CONST)
             inputs.append(arg)
             continue
-        # Static and borrowed inputs are held as detached aliases: the graph needs their memory, not
-        # their autograd history (holding a caller's tensor would keep its whole autograd graph alive).
+        # Inputs read in place are held as detached aliases: the graph needs their memory, not their autograd
+        # history (holding a caller's tensor would keep its whole autograd graph alive).
         ptr = storage_ptr(arg)
         if ptr and ptr in param_storages:
             kinds.append(PARAM)
@@ -325,57 +338,47 @@ def capture_instance(owner: Any, partition: str, label: str, kind: str, run: Cal
         elif ptr and runtime.owner(arg) is not None:
             kinds.append(BORROWED)
             inputs.append(arg.detach())
+        elif index in mutated and index not in moving:
+            kinds.append(IN_PLACE)
+            inputs.append(arg.detach())
         else:
             kinds.append(OWNED)
             inputs.append(static_buffer(arg, index, names[index] if index < len(names) else None))
-    # Capturing runs the graph once (emulate; CUDA's warmup): undo its writes to inputs, or the replay
-    # that produces this call's results would apply them a second time.
-    with torch.no_grad():
-        saved = {i: inputs[i].clone() for i in mutated if isinstance(inputs[i], torch.Tensor)}
     arena = None
     if arenas is not None:
         if layouts is None:
-            layouts = _probe_layouts(run, inputs, saved, runtime.device)
-        arena = arenas.place(owner, layouts, runtime.device)
+            layouts = _probe_layouts(run, inputs, runtime.device, mutated)
+        arena = arenas.place(family, layouts, runtime.device, reserve or {})
     fn, before = run, {}
     if arena is not None:  # its views become static inputs after the arguments; the graph copies into them
-        pool, shared = arena.pool, False
-        before = arena.use_counts()
+        before = arena.claim.use_counts()
         placed = arena.views(layouts)
         fn = writing_into(run, [j for j, _ in placed], len(inputs))
         kinds += [ARENA] * len(placed)
         inputs += [view for _, view in placed]
         del placed
-    else:
-        pool, shared = runtime.pool()
     start = time.perf_counter()
-    captured = driver.capture(fn, inputs, pool)
+    captured = driver.capture(fn, inputs, runtime.pool(), warmup=not warmed_up, written=sorted(mutated))
     seconds = time.perf_counter() - start
-    _restore(inputs, saved)
-    graph = GraphInstance(owner, partition, label, kind, captured, kinds, param_storages, seconds, mutated)
+    graph = GraphInstance(family, partition, label, kind, captured, kinds, param_storages, seconds, key, mutated)
     graph.arena = arena
-    del inputs, captured, saved
-    runtime.register(graph, shared, lenders, arena)
+    del inputs, captured
+    runtime.register(graph, lenders, arena)
     if arena is not None:
-        arena.join(owner, graph, before)
+        arena.join(family, graph, before)
     return graph
 
 
-def _restore(inputs: List[Any], saved: Dict[int, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for i, value in saved.items():
-            inputs[i].copy_(value)
-
-
-def _probe_layouts(run: Callable[[list], Any], inputs: List[Any], saved: Dict[int, torch.Tensor],
-                   device: torch.device) -> List[OutputLayout]:
+def _probe_layouts(run: Callable[[list], Any], inputs: List[Any], device: torch.device,
+                   written: frozenset) -> List[OutputLayout]:
     """Run the graph once eagerly to learn its outputs' layouts (an arena is sized before capture), leaving
     random generators and the inputs it writes as they were."""
-    with preserved_global_state(rng=True), torch.no_grad():
+    undo = WriteUndo([inputs[i] for i in written])
+    with preserved_global_state(rng=True), torch.no_grad(), undo:
         outputs = list(run(list(inputs)))
     layouts = output_layouts(outputs, inputs, device)
     del outputs
-    _restore(inputs, saved)
+    undo.restore()
     return layouts
 
 

@@ -1,35 +1,77 @@
 """The graphs of one partition's input signature: a `BankEntry` (one aot_autograd compilation per graph-bank key)
 and its `GraphFamily`s (the captured instances of one aot graph, forward, backward or inference: which instance
-a call replays, when a new one is captured, the eager warmup before).
+a call replays, when a new one is captured, the eager warmup before, which outputs are handed out as copies).
 
 aot_autograd splits the partition into functional aten forward and backward graphs; its runtime wrappers keep
 doing input mutation copy-back and output aliasing, while our compilers wrap each graph in a GraphFamily that
 warms up, captures and replays it through the driver. The partition they belong to (`part`, a PartitionRunner,
-partition_runner.py) keeps the bank, its policy and the eager fallback; the buffer rules are in graph.py.
+partition_runner.py) keeps the bank, its policy and every counter (the family calls its methods); the buffer
+rules are in graph.py.
+
+Finding an instance costs the same whatever the number of layers or instances: instances are kept per parameter
+set (the identity of the partition's first parameter, `PartitionRunner.call_key`), each checks its fixed addresses
+in one pass, and the pool rule is tracked incrementally (model_runtime.py).
+
+Outputs kept beyond their step: an eager island's autograd context may keep a partition output as an attribute
+(transformers' grouped-mm fallback stores `ctx.offs`), or a caller keeps one across calls (a cache list). Such a
+holder would keep the graph held into the next step, and every call would need another instance. So each family
+learns which output positions are still referenced at its next call once nothing is pending (its backward ran;
+an inference graph has none): during warmup from its eager runs, later from a held instance. Those positions are
+then handed out as copies (one device copy each), which the holder may keep as long as it likes.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 import torch.fx as fx
 
 from .. import _compat
-from ..counters import record
-from . import bank_policy
 from .arena import OutputLayout, output_layouts
 from .global_state import preserved_global_state
-from .graph import MISMATCH, GraphInstance, capture_instance, mutated_inputs
+from .graph import GraphInstance, capture_instance, mutated_inputs
 
 __all__ = ["BankEntry", "GraphFamily"]
 
 log = logging.getLogger("cgcompile")
 
 
-# --- the graphs of one aot graph -----------------------------------------------------------------------------
+class EagerHandout:
+    """What one eager (warmup) forward run handed out: a weak reference per fresh output storage, and whether its
+    backward has run, to learn which positions callers keep beyond their step."""
+
+    def __init__(self, family: "GraphFamily", key: int, outputs: Sequence[Any], inputs: Sequence[Any],
+                 pending: bool):
+        self.family = family
+        self.key = key
+        taken = {_compat.storage_key(t)[0] for t in inputs if isinstance(t, torch.Tensor)}
+        self.refs = {j: (_compat.storage_key(out)[1], _compat.storage_weak_ref(out)) for j, out in enumerate(outputs)
+                     if isinstance(out, torch.Tensor) and _compat.storage_key(out)[0] not in taken}
+        self.pending_backward = pending
+
+    def held_positions(self) -> Set[int]:
+        return {j for j, (_, ref) in self.refs.items() if not ref.expired()}
+
+    def leaves_frame(self, output: torch.Tensor) -> None:
+        """`output` is returned by the compiled frame: the caller holding it is no holder of a replay's output
+        (the runtime hands frame outputs out as copies, ModelRuntime.finish_frame_outputs)."""
+        handle = _compat.storage_key(output)[1]
+        self.refs = {j: entry for j, entry in self.refs.items() if entry[0] != handle}
+
+    def backward_ran(self) -> None:
+        self.pending_backward = False
+
+
+def _source_of(args: Sequence[Any], family: Optional["GraphFamily"]) -> Any:
+    """The forward call of `family` (a GraphInstance or an EagerHandout) whose outputs these backward arguments
+    are (others may carry the forward calls of the partitions before it: its saved inputs)."""
+    for arg in args:
+        source = getattr(arg, "_cgcompile_source", None)
+        if source is not None and source.family is family:
+            return source
+    return None
 
 
 class GraphFamily:
@@ -41,17 +83,15 @@ class GraphFamily:
         self.kind = kind
         self.run = run  # the uncaptured graph (aot graph, or Inductor's compiled version)
         self.mutated = mutated  # inputs the graph itself writes (Inductor keeps some input mutations)
-        self.calls = 0
-        self.graphs: List[GraphInstance] = []  # forward/inference instances
+        self.instances: Dict[int, List[GraphInstance]] = {}  # forward/inference instances per parameter set
         self.layouts: Optional[List[OutputLayout]] = None  # its outputs' layouts, seen in an eager run (arenas)
+        self.copy_out: Set[int] = set()  # output positions callers keep beyond their step: handed out as copies
+        self.saved: Set[int] = set()  # forward output positions the backward reads (autograd's saved tensors)
+        self.moving: Set[int] = set()  # written inputs seen at other addresses: copied in and back
+        self._eager: Dict[int, EagerHandout] = {}  # per parameter set, its last warmup run
+        self._warmed: Set[int] = set()  # parameter sets this graph ran for on the driver's warmup stream
 
-    def run_eagerly(self, args: list) -> Any:
-        """The uncaptured graph; for a partition whose sizes vary, its outputs' layouts are noted on the way
-        (an output arena is sized before capture, arena.py)."""
-        out = self.run(args)
-        if self.part.sized and self.layouts is None:
-            self.layouts = output_layouts(list(out), args, self.part.runtime.device)
-        return out
+    # calls ---------------------------------------------------------------------------------------------------
 
     def __call__(self, args: list) -> Any:
         part = self.part
@@ -59,97 +99,164 @@ class GraphFamily:
             return self.run(args)
         if self.kind == "backward":
             return self._backward(args)
-        self.calls += 1
-        counters = part.counters
-        part.tick += 1
-        counters.calls += 1
-        if self.calls <= part.config.cuda_graph_warmup_steps:
-            counters.misses += 1
-            return self.run_eagerly(args)
-        out = self._forward(args)
-        part.judge()
-        if part.tick >= part.next_sweep:
-            part.sweep()
+        key = part.call_key
+        self._learn_from_warmup(key)
+        if part.warming_up(self, key):
+            return self._warmup(key, args)
+        out = self._forward(key, args)
+        part.after_call(key)
         return out
 
-    def _forward(self, args: list) -> Any:
-        part, runtime = self.part, self.part.runtime
-        stale = None
-        for index, graph in enumerate(self.graphs):
-            verdict = graph.match(args)  # first: cheapest, and fails fast for other layers' instances
-            if verdict is MISMATCH or graph.busy() or not runtime.may_replay(graph):
-                continue
-            if graph.bw is not None and graph.bw.busy():  # its grads, stolen as .grad, are still held
-                continue
-            if verdict is None:
-                part.counters.replays += 1
-                graph.mark_used(part.tick)
-                return graph.replay(args, runtime, alias=True)
-            if stale is None:
-                stale = (index, verdict)
-        part.counters.misses += 1
-        if stale is not None:
-            return self._capture_and_run(args, replace=stale[0], reason=stale[1])
-        if part.counters.stopped is not None:
-            return self.run(args)  # stopped capturing new sizes (bank policy); its graphs still replay
-        part.sweep()  # room for the new graph first
-        params = frozenset(part.static_storages())
-        cap = part.config.max_graphs_per_partition
-        if part.graph_counts.get(params, 0) >= cap:
-            part.eager_call(f"max_graphs_per_partition={cap} reached (every instance busy or captured for "
-                            f"other inputs); this call runs eagerly")
-            return self.run(args)
-        return self._capture_and_run(args)
+    def _run_warming(self, key: int, args: list) -> Any:
+        """An eager run on the driver's warmup stream (per-stream library state then exists before a capture on
+        it, so the capture needs no warmup run of its own)."""
+        with self.part.driver.warmup_stream():
+            out = self.run_eagerly(args)
+        self._warmed.add(key)
+        return out
 
-    def _capture_and_run(self, args: list, replace: Optional[int] = None, reason: str = "") -> Any:
-        part, runtime = self.part, self.part.runtime
+    def run_eagerly(self, args: list) -> Any:
+        """The uncaptured graph; for a partition whose sizes vary, its outputs' layouts are noted on the way
+        (an output arena is sized before capture, arena.py)."""
+        out = self.run(args)
+        if self.part.sized and self.layouts is None:
+            self.layouts = output_layouts(list(out), args, self.part.runtime.device)
+            self.part.note_layouts(self.kind, self.layouts)
+        return out
+
+    def _warmup(self, key: int, args: list) -> Any:
+        out = list(self._run_warming(key, args))
+        handout = EagerHandout(self, key, out, args, pending=self.kind == "forward")
+        for t in out:
+            if isinstance(t, torch.Tensor):
+                t._cgcompile_source = handout
+        self._eager[key] = handout
+        return out
+
+    def _forward(self, key: int, args: list) -> Any:
+        part = self.part
+        graph = self._replayable(key, args)
+        if graph is not None:
+            out = graph.replay(args, alias=True, copies=self.copy_out)
+            part.note_replay(key, graph)
+            return out
+        stale = self._stale(key, args)
+        if stale is not None:
+            return self._capture_and_run(key, args, replace=stale[0], reason=stale[1])
+        if part.stopped is not None:
+            part.note_eager(key)
+            return self.run(args)  # stopped capturing new sizes (bank policy); its graphs still replay
+        if not part.has_room(key):
+            part.note_eager(key, f"max_graphs_per_partition={part.config.max_graphs_per_partition} reached (every "
+                                 f"instance held or captured for other inputs); this call runs eagerly")
+            return self.run(args)
+        return self._capture_and_run(key, args)
+
+    def _replayable(self, key: int, args: list) -> Optional[GraphInstance]:
+        """An instance of this parameter set that may replay for `args` now (addresses match, nothing holds its
+        memory or its stolen grads, the pool rule allows it), or None."""
+        runtime = self.part.runtime
+        for graph in self.instances.get(key, ()):
+            if not graph.addresses_match(args):
+                continue
+            if graph.held():
+                self._learn_held(graph)
+                continue
+            bw = graph.bw
+            if bw is not None and bw.held():  # its grads, stolen as .grad, are still in use
+                bw.stop_stealing()
+                continue
+            if runtime.pool_allows(graph):
+                return graph
+        return None
+
+    def _stale(self, key: int, args: list) -> Optional[tuple]:
+        """(instance, why) when an instance for these very parameter objects is stale (checked on a miss only): a
+        parameter moved, or a written input it reads in place comes at another address (copied in and back
+        from now on)."""
+        for graph in self.all_instances():
+            reason = graph.moved(args)
+            if reason is not None:
+                return graph, reason
+        for graph in self.instances.get(key, ()):
+            moved = graph.in_place_moved(args)
+            if moved:
+                self.moving.update(moved)
+                return graph, (f"written input(s) {moved} came at another address: copied in and back from now "
+                               f"on instead of written in place")
+        return None
+
+    def _learn_held(self, graph: GraphInstance) -> None:
+        """A held instance with nothing pending: the positions still referenced are kept beyond the step."""
+        if graph.pending_backward:
+            return
+        self._keep_as_copies(graph.held_positions())
+
+    def _learn_from_warmup(self, key: int) -> None:
+        handout = self._eager.get(key)
+        if handout is not None and not handout.pending_backward:
+            del self._eager[key]
+            self._keep_as_copies(handout.held_positions())
+
+    def _keep_as_copies(self, positions: Set[int]) -> None:
+        new = positions - self.saved - self.copy_out
+        if not new:
+            return
+        self.copy_out |= new
+        self.part.note_copy_out(self.kind, sorted(new))
+
+    def _capture_and_run(self, key: int, args: list, replace: Optional[GraphInstance] = None,
+                         reason: str = "") -> Any:
+        part = self.part
         streak = 0
         if replace is not None:
-            old = self.graphs.pop(replace)
-            part.graph_counts[old.param_storages] -= 1
-            streak = bank_policy.recapture_streak(old.recapture_streak, old.replays)
-            runtime.discard(old)
-            part.counters.recaptures += 1
-            record("recaptures", part.name, reason)
-            if bank_policy.storm(streak):
-                part.fail(f"re-capture storm: its {self.kind} graph was re-captured {streak} times in a row without "
-                          f"a replay in between ({reason}); capturing it costs more than running it eagerly",
-                          storm=True)
+            self._drop(replace)
+            streak = part.recapturing(key, replace, self.kind, reason)
+            if streak is None:
                 return self.run(args)
-            log.info("cgcompile: re-capturing %s %s graph: %s", part.describe(), self.kind, reason)
         try:
-            graph = self._capture(args, frozenset(part.static_storages()))
+            graph = self._capture(key, args, frozenset(part.static_storages()))
         except Exception as exc:
             part.fail(f"capturing its {self.kind} graph failed: {type(exc).__name__}: {exc}")
             return self.run(args)
-        graph.remember_params(args)
-        graph.enter_bank(graph.name, part.tick, streak)
-        part.counters.captures += 1
-        part.unjudged.append((part.tick, weakref.ref(graph)))
-        part.graph_counts[graph.param_storages] = part.graph_counts.get(graph.param_storages, 0) + 1
-        self.graphs.append(graph)
-        return graph.replay(args, runtime, alias=True)
+        graph.remember_params(args, part.runtime.note_dead)
+        self.instances.setdefault(key, []).append(graph)
+        out = graph.replay(args, alias=True, copies=self.copy_out)
+        part.note_capture(key, graph, streak)
+        return out
+
+    def _drop(self, graph: GraphInstance) -> None:
+        for instances in self.instances.values():
+            if graph in instances:
+                instances.remove(graph)
 
     def _backward(self, args: list) -> Any:
         forward = self.entry.forward
-        instance = forward.instance_for(args) if forward is not None else None
-        if instance is None or instance.captured is None:
-            return self.run_eagerly(args)  # its forward ran eagerly (warmup, cap, fallback)
+        source = _source_of(args, forward)
+        if isinstance(source, EagerHandout):
+            source.backward_ran()
+            return self._run_warming(source.key, args)
+        instance = source if source is not None else forward.owner_of(args) if forward is not None else None
+        if instance is None or not instance.alive:
+            return self.run_eagerly(args)  # its forward ran eagerly (cap, fallback) or was released
+        instance.backward_ran()
+        forward.note_saved(instance, args)
         runtime = self.part.runtime
         if instance.bw is None:
             try:
-                instance.attach_backward(self._capture(args, instance.param_storages))
+                instance.attach_backward(self._capture(instance.key, args, instance.param_storages, instance))
             except Exception as exc:
                 self.part.fail(f"capturing its backward graph failed: {type(exc).__name__}: {exc}")
                 return self.run(args)
-        elif (instance.bw.busy() or not runtime.may_replay(instance.bw)
-              or instance.bw.match(args) is not None):
+        elif instance.bw.held() or not runtime.pool_allows(instance.bw) or not instance.bw.addresses_match(args):
             return self.run(args)  # e.g. a second backward through the same forward (retain_graph)
         bw = instance.bw
         bw.note_grads(self._grads_cleared(instance))
         # An arena's memory is shared with other sizes: hand out aliases, whose lives the arena can see (autograd
         # may hold a returned grad in an input buffer until another size's backward has run).
-        return bw.replay(args, runtime, alias=bw.steal or bw.arena is not None)
+        out = bw.replay(args, alias=bw.steal or bw.arena is not None)
+        runtime.note_replay(bw)
+        return out
 
     @staticmethod
     def _grads_cleared(instance: GraphInstance) -> bool:
@@ -158,46 +265,52 @@ class GraphFamily:
         params = [ref() for ref in instance.param_refs.values()]
         return all(p is None or p.grad is None for p in params)
 
-    def instance_for(self, backward_args: Sequence[Any]) -> Optional[GraphInstance]:
-        """The forward instance that produced these saved tensors, if any.
-
-        Saved tensors reach the backward as the very alias objects a replay handed out (autograd keeps
-        them), which carry their graph; failing that, memory only one instance owns identifies it. A busy
-        instance is never replayed, so an instance has at most one pending backward.
-        """
+    def owner_of(self, backward_args: Sequence[Any]) -> Optional[GraphInstance]:
+        """The forward instance whose memory holds these saved tensors, when no alias object carried it."""
         runtime = self.part.runtime
-        tensors = [a for a in backward_args if isinstance(a, torch.Tensor)]
-        for arg in tensors:
-            graph = getattr(arg, "_cgcompile_graph", None)
-            if graph is not None and graph.owner is self:
-                return graph
-        for arg in tensors:
-            graph = runtime.owner(arg)
-            if graph is not None and graph.owner is self:
-                return graph
+        for arg in backward_args:
+            if isinstance(arg, torch.Tensor):
+                graph = runtime.owner(arg)
+                if isinstance(graph, GraphInstance) and graph.family is self:
+                    return graph
         return None
 
-    def _capture(self, args: list, param_storages: frozenset) -> GraphInstance:
+    def note_saved(self, instance: GraphInstance, backward_args: Sequence[Any]) -> None:
+        """Learn, once, which forward outputs the backward reads: autograd frees them after the backward, so they
+        are never copies (a held one means a pending backward)."""
+        if self.saved:
+            return
+        handed = {id(alias): j for j, alias in enumerate(instance.handed_aliases())}
+        self.saved = {handed[id(arg)] for arg in backward_args if id(arg) in handed}
+
+    def _capture(self, key: int, args: list, param_storages: frozenset,
+                 forward: Optional[GraphInstance] = None) -> GraphInstance:
         part = self.part
-        forward = self.entry.forward.instance_for(args) if self.kind == "backward" else None
-        name = forward.name if forward is not None else part.graph_name(args, param_storages)
+        name = forward.label.rsplit(" ", 1)[0] if forward is not None else part.graph_name(args, param_storages)
         arenas = part.arena_group(self.kind, param_storages) if part.sized else None
         graph = capture_instance(self, part.name, f"{name} {self.kind}", self.kind, self.run, args, param_storages,
-                                 self.mutated, part.runtime, part.driver, part.input_names_of(args),
-                                 arenas, self.layouts)
-        graph.enter_bank(name, part.tick)
+                                 self.mutated, key, part.runtime, part.driver, part.input_names_of(args),
+                                 arenas, self.layouts, part.arena_reserve(self.kind, self.layouts, self.entry.batch), warmed_up=key in self._warmed,
+                                 moving=frozenset(self.moving))
         if arenas is not None:
             part.retire_superseded(arenas)
         return graph
 
+    def all_instances(self) -> List[GraphInstance]:
+        return [graph for instances in self.instances.values() for graph in instances]
+
     def discard(self) -> None:
-        for graph in self.graphs:
+        for graph in self.all_instances():
             self.part.runtime.discard(graph)
-        self.graphs = []
+        self.instances = {}
+
+    def remove(self, graph: GraphInstance) -> None:
+        """Forget a released forward/inference instance (its memory is given back by the runtime)."""
+        self._drop(graph)
 
     def drop_backward(self, bw: GraphInstance) -> None:
         """Forget the backward graph `bw` of whichever of these forward instances owns it (captured again later)."""
-        for graph in self.graphs:
+        for graph in self.all_instances():
             if graph.bw is bw:
                 graph.attach_backward(None)
 
@@ -214,19 +327,16 @@ class BankEntry:
         self.forward: Optional[GraphFamily] = None
         self.backward: Optional[GraphFamily] = None
         self.inference: Optional[GraphFamily] = None
+        self.batch = part.batch_of(args)  # capture_sizes: the (padded) batch of this signature
         with preserved_global_state():  # tracing runs the partition's grad-mode/vmap switches for real
-            self.fn = _compat.aot_compile(part.traced, args, self._runner,
+            self.fn = _compat.aot_compile(part.traced, args, self._family,
                                           inductor=str(part.config.inner_compiler) == "inductor")
 
-    def _runner(self, kind: str, run: Callable[[list], Any], gm: fx.GraphModule) -> Callable[[list], Any]:
-        """Called by aot for each graph it compiles: what aot runs instead of it."""
+    def _family(self, kind: str, run: Callable[[list], Any], gm: fx.GraphModule) -> Callable[[list], Any]:
+        """Called by aot for each graph it compiles: the GraphFamily aot runs instead of it."""
         family = GraphFamily(self, kind, run, mutated_inputs(gm))
         setattr(self, kind, family)
-
-        def run_family(args: list) -> Any:
-            return family(args)
-
-        return run_family
+        return family
 
     def discard(self) -> None:
         for family in (self.forward, self.inference):

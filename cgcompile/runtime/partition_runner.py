@@ -3,18 +3,26 @@
 Per partition, aot_autograd (run lazily at the first call of each input signature, with the real tensors)
 splits the submodule into functional aten forward and backward graphs, each run by a `GraphFamily`
 (graph_family.py: one `BankEntry` per graph-bank key). This module is the partition's side: `PartitionRunner`
-(the graph bank and its policy, output arenas for varying sizes, eager fallback) and `compile_partition`, the
-entry point.
+(the graph bank and its policy, every counter and clock of it, warmup per parameter set, output arenas for
+varying sizes, eager fallback) and `compile_partition`, the entry point.
 
-The rules they follow live next to the code that keeps them: the buffer rules (static, borrowed and owned
-inputs, aliased outputs, busy graphs and their instances, backward instances, stolen grads, inputs a graph
-writes) in graph.py's docstring, with `GraphInstance`; the memory-pool rules, the registry of static memory
-and the list of live graphs in ModelRuntime (model_runtime.py).
+The rules they follow live next to the code that keeps them: the buffer rules (static, borrowed, in-place and
+owned inputs, aliased outputs, held graphs and their instances, backward instances, stolen grads) in graph.py's
+docstring, with `GraphInstance`; which outputs are handed out as copies in graph_family.py; the memory pool and
+its rule, the registry of static memory and the list of live graphs in ModelRuntime (model_runtime.py).
+
+Parameter sets: Dynamo reuses one compiled frame for every layer of a model that graph-breaks inside its layers,
+so one partition may serve many parameter sets, each needing graphs of its own (as Megatron has per layer). Each
+is known by the identity of the partition's first parameter object (`call_key`: a parameter that moves, e.g.
+`p.data = ...`, stays in its set) and has its own warmup (every layer runs
+`cuda_graph_warmup_steps` eager calls before its first capture, so state built lazily on a layer's first call
+is never captured half-built), its own cap and its own clock for the bank policy (bank_policy.py).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import weakref
@@ -27,16 +35,13 @@ from ..counters import add as count, record
 from . import bank_policy
 from .arena import ArenaGroup
 from .driver import Driver
-from .graph import GraphInstance, is_static_tensor, storage_ptr
+from .graph import GraphInstance, is_param_or_buffer, storage_ptr
 from .graph_family import BankEntry
 from .model_runtime import ModelRuntime
 
 __all__ = ["PartitionRunner", "compile_partition"]
 
 log = logging.getLogger("cgcompile")
-
-
-# --- one partition -------------------------------------------------------------------------------------------
 
 
 def _tuple_returning(gm: fx.GraphModule) -> Tuple[Optional[type], fx.GraphModule]:
@@ -54,13 +59,34 @@ def _tuple_returning(gm: fx.GraphModule) -> Tuple[Optional[type], fx.GraphModule
     return None, fx.GraphModule(gm, graph)
 
 
+@dataclasses.dataclass
+class _ParamSet:
+    """The bank policy's state for one parameter set (a layer): its clock, live graphs, warmup, judging."""
+
+    calls: int = 0  # forward/inference calls with it: the clock its graphs are judged on
+    graphs: int = 0  # its live forward/inference instances
+    warm: Dict[Any, int] = dataclasses.field(default_factory=dict)  # warmup calls per graph family
+    unjudged: "collections.deque" = dataclasses.field(default_factory=collections.deque)  # (captured at, graph ref)
+    next_sweep: int = 0
+
+
+@dataclasses.dataclass
+class _Usage:
+    """The bank policy's record of one forward/inference instance."""
+
+    key: int  # its parameter set
+    last_use: int  # its parameter set's clock when it last ran
+    recapture_streak: int = 0
+
+
 class PartitionRunner:
     """The callable compile_partition returns for one captured partition: graph bank, warmup/capture,
     permanent eager fallback. (`Partition` is the plan's record of the same partition, plan.py.)"""
 
     def __init__(self, submod: fx.GraphModule, name: str, static_input_indices: Sequence[int],
                  runtime: ModelRuntime, location: Optional[str], driver: Driver, frame: Optional[str] = None,
-                 input_names: Sequence[str] = (), sized: bool = False):
+                 input_names: Sequence[str] = (), sized: bool = False,
+                 batch_at: Optional[Tuple[int, int]] = None):
         self.submod = submod
         self.input_names = list(input_names)  # per submod input, how logs name it (see input_description)
         self.name = name
@@ -71,46 +97,55 @@ class PartitionRunner:
         self.driver = driver
         self.container, self.traced = _tuple_returning(submod)
         self.bank: Dict[Any, BankEntry] = {}
-        # Forward/inference instances captured, over all bank keys, per parameter set: Dynamo reuses one
-        # compiled frame for every layer of a model that graph-breaks inside its layers, so one partition
-        # may serve many parameter sets, each needing graphs of its own (as Megatron has per layer).
-        self.graph_counts: Dict[frozenset, int] = {}
         self.broken: Optional[str] = None
-        self._warned: set = set()
-        self._args: Optional[Sequence[Any]] = None
-        # The bank policy's state (bank_policy.py): accounting, its clock (forward/inference calls), the next
-        # sweep of stale graphs, the captures not yet judged, oldest first.
-        self.counters = bank_policy.BankCounters()
-        self.tick = 0
-        self.next_sweep = 0
-        self.unjudged: "collections.deque[Tuple[int, weakref.ref]]" = collections.deque()
         self.frame = frame or (os.path.basename(location) if location else "?")
-        self._param_set_ids: Dict[frozenset, int] = {}
-        self._serial = 0
         # Input sizes that vary (symbolic in the trace): graphs of one kind and parameter set write their outputs
         # into shared output arenas (arena.py), so memory follows the largest size, not the number of sizes.
         self.sized = sized
+        self.call_key = 0  # the parameter set of the call in progress (the identity of its first parameter)
+        self._args: Optional[Sequence[Any]] = None  # the call in progress
+        self._dynamic: Optional[List[int]] = None  # argument positions the bank key reads (not parameters)
+        self._key_index: Optional[int] = None  # the first parameter's position
+        self._warned: set = set()
+        self._param_set_ids: Dict[frozenset, int] = {}
+        self._serial = 0
         self._arena_groups: Dict[Tuple[str, frozenset], ArenaGroup] = {}
+        # (input, dim) holding the batch that capture_sizes pads, and the largest declared size: arenas are sized
+        # for it at their first capture (with the largest output each position took in warmup runs so far)
+        self._batch_at = batch_at
+        self._largest_batch = max(self.config.capture_sizes) if self.config.capture_sizes else 0
+        self._largest_outputs: Dict[str, Dict[int, int]] = {}
+        self._start_policy()
         runtime.add_runner(self)
+
+    def _start_policy(self) -> None:
+        """The bank policy's state, fresh (at creation and after release())."""
+        self.counters = bank_policy.BankCounters()
+        self._param_sets: Dict[int, _ParamSet] = {}
+        self._usage: "weakref.WeakKeyDictionary[GraphInstance, _Usage]" = weakref.WeakKeyDictionary()
+        self._unjudged_sizes: Dict[Any, List[int]] = {}  # bank key -> [tick first seen, calls], until judged
+        self._tick = 0  # calls of this partition with any parameter set
+        self._sizes_judged = 0
+
+    # calls -----------------------------------------------------------------------------------------------
 
     def __call__(self, *args: Any) -> Any:
         if self.broken is not None:
             return self.submod(*args)
+        if self.runtime.dead:
+            self.runtime.release_dead()
+        if self._dynamic is None:
+            self._find_positions(args)
         key = self._key(args)
         entry = self.bank.get(key)
         if entry is None:
-            if self.counters.stopped is None:
-                self._new_size()
-            if self.counters.stopped is not None:  # no compile for a size that will not be captured
-                self.counters.calls += 1
-                self.counters.misses += 1
+            entry = self._new_entry(key, args)
+            if entry is None:
                 return self.submod(*args)
-            try:
-                entry = self.bank[key] = BankEntry(self, args)
-            except Exception as exc:
-                self.fail(f"compiling it failed: {type(exc).__name__}: {exc}")
-                return self.submod(*args)
+        elif self._unjudged_sizes and key in self._unjudged_sizes:
+            self._unjudged_sizes[key][1] += 1
         self._args = args
+        self.call_key = id(args[self._key_index]) if self._key_index is not None else 0
         try:
             out = entry.fn(*args)
         finally:
@@ -118,6 +153,12 @@ class PartitionRunner:
         if self.container is None:
             return out[0]
         return self.container(out)
+
+    def _find_positions(self, args: Sequence[Any]) -> None:
+        static = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and (
+            i in self.static_indices or is_param_or_buffer(a))]
+        self._key_index = static[0] if static else None
+        self._dynamic = [i for i in range(len(args)) if i not in self.static_indices]
 
     def _key(self, args: Sequence[Any]) -> tuple:
         """Graph-bank key: grad/inference/autocast mode, and per argument its metadata or value.
@@ -127,10 +168,8 @@ class PartitionRunner:
         them, so keying them would cost more host time per call than the rest of the replay path."""
         key: List[Any] = [torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
                           torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu"), len(args)]
-        static = self.static_indices
-        for index, arg in enumerate(args):
-            if index in static:
-                continue
+        for index in self._dynamic:
+            arg = args[index]
             if isinstance(arg, torch.Tensor):
                 key.append((arg.shape, arg.stride(), arg.dtype, arg.device, arg.requires_grad))
             else:
@@ -141,13 +180,31 @@ class PartitionRunner:
                     key.append((type(arg), id(arg)))
         return tuple(key)
 
+    def _new_entry(self, key: tuple, args: Sequence[Any]) -> Optional[BankEntry]:
+        """A call brought an input signature never seen: judge the sizes seen before, compile this one (None:
+        the call runs uncompiled, the partition having stopped capturing new sizes or failed)."""
+        counters = self.counters
+        counters.sizes += 1
+        self._judge_sizes()
+        if counters.stopped is not None:  # no compile for a size that will not be captured
+            counters.calls += 1
+            counters.misses += 1
+            return None
+        try:
+            entry = self.bank[key] = BankEntry(self, args)
+        except Exception as exc:
+            self.fail(f"compiling it failed: {type(exc).__name__}: {exc}")
+            return None
+        self._unjudged_sizes[key] = [self._tick, 1]
+        return entry
+
     def static_storages(self) -> set:
         """Storages of this call's parameters and buffers: the indices given, Parameters, Dynamo-marked
         static tensors, and the submodule's own parameters/buffers (aot passes those first)."""
         found = set()
         args = self._args or ()
         for index, arg in enumerate(args):
-            if is_static_tensor(arg) or (isinstance(arg, torch.Tensor) and index in self.static_indices):
+            if is_param_or_buffer(arg) or (isinstance(arg, torch.Tensor) and index in self.static_indices):
                 found.add(storage_ptr(arg))
         for tensor in list(self.submod.parameters()) + list(self.submod.buffers()):
             found.add(storage_ptr(tensor))
@@ -166,8 +223,36 @@ class PartitionRunner:
         key = (kind, param_storages)
         if key not in self._arena_groups:
             params = self._param_set_ids.setdefault(param_storages, len(self._param_set_ids))
-            self._arena_groups[key] = ArenaGroup(f"{self.name} params {params} {kind}", self.driver.new_pool)
+            self._arena_groups[key] = ArenaGroup(f"{self.name} params {params} {kind}")
         return self._arena_groups[key]
+
+    def note_layouts(self, kind: str, layouts: Sequence[Any]) -> None:
+        """An eager run of a `kind` graph had these output layouts (arena.output_layouts): remember per position
+        the most bytes any size took."""
+        largest = self._largest_outputs.setdefault(kind, {})
+        for j, layout in enumerate(layouts):
+            if layout is not None:
+                largest[j] = max(largest.get(j, 0), layout[3])
+
+    def batch_of(self, args: Sequence[Any]) -> Optional[int]:
+        """The batch this call's arguments hold, when capture_sizes pads it; else None."""
+        if self._batch_at is None or not self._largest_batch:
+            return None
+        index, dim = self._batch_at
+        return int(args[index].shape[dim])
+
+    def arena_reserve(self, kind: str, layouts: Optional[Sequence[Any]], batch: Optional[int]) -> Dict[int, int]:
+        """Bytes per output position a new arena for `kind` graphs holds at least: the most any size took in
+        warmup runs, and for declared capture sizes the layouts of `batch` grown to the largest size (each dim equal
+        to the batch taken as the batch: exact for row-wise outputs, more than needed where a dim merely equals
+        it). A size that still needs more later supersedes the arena (arena.py)."""
+        reserve = dict(self._largest_outputs.get(kind, {}))
+        if batch and layouts is not None and self._largest_batch > batch:
+            for j, layout in enumerate(layouts):
+                if layout is not None:
+                    grow = (self._largest_batch / batch) ** sum(n == batch for n in layout[1])
+                    reserve[j] = max(reserve.get(j, 0), int(layout[3] * grow))
+        return reserve
 
     def bank_size(self) -> int:
         """How many input signatures (graph-bank keys) have a compiled entry now."""
@@ -183,71 +268,178 @@ class PartitionRunner:
         self._serial += 1
         shapes: List[str] = []
         for index, arg in enumerate(args):
-            if isinstance(arg, torch.Tensor) and index not in self.static_indices and not is_static_tensor(arg):
+            if isinstance(arg, torch.Tensor) and index not in self.static_indices and not is_param_or_buffer(arg):
                 shape = "x".join(map(str, arg.shape)) or "()"
                 if shape not in shapes:
                     shapes.append(shape)
         sizes = ",".join(shapes[:3]) + (",..." if len(shapes) > 3 else "")
         return f"{self.name} in {self.frame} [{sizes}] params {params} #{self._serial}"
 
-    # the bank policy (bank_policy.py) -------------------------------------------------------------------------
+    # the bank policy (bank_policy.py): what graph_family.py reports, and the decisions -------------------------
 
-    def live_graphs(self) -> int:
-        """Forward/inference instances alive now: the policy's clock counts calls per live graph."""
-        return sum(self.graph_counts.values())
+    @property
+    def stopped(self) -> Optional[str]:
+        """Why this partition stopped capturing new sizes, or None."""
+        return self.counters.stopped
 
-    def _new_size(self) -> None:
-        """A call brought an input signature never seen: stop capturing new sizes if most calls do."""
-        counters, cap = self.counters, self.config.max_graphs_per_partition
-        counters.sizes += 1
-        if bank_policy.new_sizes_keep_coming(counters.sizes, counters.calls + 1, cap):
-            self.stop(f"{counters.sizes} distinct input sizes in its first {counters.calls + 1} calls, more than "
-                      f"max_graphs_per_partition={cap} could hold")
+    def _param_set(self, key: int) -> _ParamSet:
+        state = self._param_sets.get(key)
+        if state is None:
+            state = self._param_sets[key] = _ParamSet()
+        return state
 
-    def judge(self) -> None:
-        """Judge the captures old enough (bank_policy.is_judged): a graph never replayed is released as wasted;
-        stop capturing new sizes when most were (bank_policy.sizes_do_not_repeat)."""
-        if not self.unjudged:
+    def warming_up(self, family: Any, key: int) -> bool:
+        """A forward/inference call of `family` with parameter set `key` begins: count it on the clocks; True
+        while it is one of that parameter set's warmup calls (run eagerly)."""
+        state = self._param_set(key)
+        state.calls += 1
+        self._tick += 1
+        counters = self.counters
+        counters.calls += 1
+        done = state.warm.get(family, 0)
+        if done >= self.config.cuda_graph_warmup_steps:
+            return False
+        state.warm[family] = done + 1
+        counters.warmup_calls += 1
+        counters.misses += 1
+        return True
+
+    def note_replay(self, key: int, graph: GraphInstance) -> None:
+        """A call replayed `graph`, captured at an earlier call."""
+        self.counters.replays += 1
+        usage = self._usage.get(graph)
+        if usage is not None:
+            usage.last_use = self._param_set(key).calls
+        self.runtime.note_replay(graph)
+
+    def note_capture(self, key: int, graph: GraphInstance, streak: int = 0) -> None:
+        """A call captured `graph` (and replayed it for its own results)."""
+        state = self._param_set(key)
+        self.counters.captures += 1
+        self.counters.misses += 1
+        state.graphs += 1
+        state.unjudged.append((state.calls, weakref.ref(graph)))
+        self._usage[graph] = _Usage(key, state.calls, streak)
+        self.runtime.note_replay(graph)
+
+    def note_eager(self, key: int, reason: Optional[str] = None) -> None:
+        """A call ran eagerly (stopped, or no room): counted, and with a reason logged once per reason."""
+        self.counters.misses += 1
+        if reason is not None:
+            record("eager_fallbacks", self.name, reason, once=True)
+            if reason not in self._warned:
+                self._warned.add(reason)
+                log.warning("cgcompile: %s: %s", self.describe(), reason)
+
+    def note_copy_out(self, kind: str, positions: List[int]) -> None:
+        """A graph family hands these output positions out as copies from now on: logged once per family kind."""
+        self.counters.copied_outputs += len(positions)
+        if ("copies", kind) not in self._warned:
+            self._warned.add(("copies", kind))
+            log.info("cgcompile: %s: outputs %s of its %s graph are still referenced at its next call (e.g. kept by "
+                     "an eager island's autograd context or the caller): handed out as copies from now on, so the "
+                     "graph replays", self.describe(), positions, kind)
+
+    def has_room(self, key: int) -> bool:
+        """May parameter set `key` have another forward/inference instance (max_graphs_per_partition)?"""
+        return self._param_set(key).graphs < self.config.max_graphs_per_partition
+
+    def recapturing(self, key: int, old: GraphInstance, kind: str, reason: str) -> Optional[int]:
+        """`old` is stale (a static input moved): discard it; its replacement's re-capture streak, or None when
+        that is a storm (the partition then runs eagerly for good)."""
+        usage = self._usage.pop(old, None)
+        streak = bank_policy.recapture_streak(usage.recapture_streak if usage else 0, old.replays)
+        self._param_set(key).graphs -= 1
+        self.runtime.discard(old)
+        self.counters.recaptures += 1
+        record("recaptures", self.name, reason)
+        if bank_policy.storm(streak):
+            self.fail(f"re-capture storm: its {kind} graph was re-captured {streak} times in a row without a replay "
+                      f"in between ({reason}); capturing it costs more than running it eagerly", storm=True)
+            return None
+        log.info("cgcompile: re-capturing %s %s graph: %s", self.describe(), kind, reason)
+        return streak
+
+    def after_call(self, key: int) -> None:
+        """After a forward/inference call: judge the graphs of its parameter set old enough, release the stale."""
+        state = self._param_sets.get(key)
+        if state is None:
             return
-        graphs = self.live_graphs()
+        if state.unjudged:
+            self._judge(state)
+        if state.calls >= state.next_sweep:
+            self._sweep(key, state)
+
+    def _judge(self, state: _ParamSet) -> None:
+        """A graph not run again within JUDGE_AFTER calls of its parameter set per graph of it is wasted: released;
+        stop capturing new sizes when most judged graphs were (bank_policy.mostly_wasted)."""
         wasted = []
-        while self.unjudged and bank_policy.is_judged(self.unjudged[0][0], self.tick, graphs):
-            graph = self.unjudged.popleft()[1]()
-            if graph is None or graph.captured is None:
+        cycle = self._cycle(state)
+        while state.unjudged and bank_policy.is_judged(state.unjudged[0][0], state.calls, cycle):
+            graph = state.unjudged.popleft()[1]()
+            if graph is None or not graph.alive:
                 continue
             self.counters.judged += 1
             if graph.replays <= 1:  # its only replay was the capture's own
                 self.counters.wasted += 1
                 wasted.append(graph)
-        self.release_graphs(wasted, f"never replayed within {bank_policy.JUDGE_AFTER} calls per live graph of "
-                                    f"its capture")
+        self.release_graphs(wasted, f"not run again within {bank_policy.JUDGE_AFTER} calls of its layer per graph "
+                                    f"of it after its capture")
         counters = self.counters
-        if counters.stopped is None and bank_policy.sizes_do_not_repeat(counters):
+        if counters.stopped is None and bank_policy.mostly_wasted(counters.wasted, counters.judged):
             self.stop(f"{counters.wasted} of its {counters.judged} graphs judged so far were never replayed after "
                       f"their capture")
 
-    def sweep(self) -> None:
-        """Release the graphs not used within the window (bank_policy.is_stale); runs every window's calls."""
-        window, graphs = bank_policy.RELEASE_WINDOW, self.live_graphs()
-        self.next_sweep = self.tick + window  # a sweep is a pass over the live graphs: not on every call
-        stale = [graph for entry in self.bank.values() for family in (entry.forward, entry.inference)
-                 if family is not None for graph in family.graphs
-                 if bank_policy.is_stale(graph.last_use, self.tick, graphs)]
-        self.release_graphs(stale, f"not replayed in its last {window} calls per live graph")
+    def _judge_sizes(self) -> None:
+        """Sizes first seen JUDGE_AFTER calls per parameter set ago are judged: seen once only, they did not repeat;
+        stop capturing new sizes when most judged did not (bank_policy.mostly_wasted)."""
+        cycle = max(1, len(self._param_sets))
+        counters = self.counters
+        for key, (first, calls) in list(self._unjudged_sizes.items()):
+            if not bank_policy.is_judged(first, self._tick, cycle):
+                break
+            del self._unjudged_sizes[key]
+            self._sizes_judged += 1
+            counters.one_off_sizes += calls == 1
+        if counters.stopped is None and bank_policy.mostly_wasted(counters.one_off_sizes, self._sizes_judged):
+            self.stop(f"{counters.one_off_sizes} of the {self._sizes_judged} input sizes judged so far came once and "
+                      f"not again")
 
-    def release_graphs(self, graphs: List[GraphInstance], why: str) -> None:
-        """Release idle forward/inference instances with their backward graphs, or a backward graph alone (a busy
-        one is kept: its outputs or stolen grads are in use): memory returned, counted, the partition's first
-        release logged."""
+    def _sweep(self, key: int, state: _ParamSet) -> None:
+        """Release this parameter set's graphs not run within the window (bank_policy.is_stale)."""
+        window = bank_policy.RELEASE_WINDOW
+        state.next_sweep = state.calls + window  # a sweep is a pass over the set's graphs: not on every call
+        cycle = self._cycle(state)
+        stale = [graph for graph in self._graphs_of(key)
+                 if bank_policy.is_stale(self._usage[graph].last_use, state.calls, cycle)]
+        self.release_graphs(stale, f"not run in its layer's last {window} calls per graph of it")
+
+    def _cycle(self, state: _ParamSet) -> int:
+        """How many calls of a parameter set a steady loop takes to come round to each of its graphs: its graphs
+        (sizes, grad and no-grad, instances), or the input sizes in rotation when more (each compiled size)."""
+        return max(1, state.graphs, len(self.bank))
+
+    def _graphs_of(self, key: int) -> List[GraphInstance]:
+        return [graph for entry in self.bank.values() for family in (entry.forward, entry.inference)
+                if family is not None for graph in family.instances.get(key, ())]
+
+    def release_graphs(self, graphs: List[GraphInstance], why: str, force: bool = False) -> None:
+        """Release forward/inference instances with their backward graphs, or a backward graph alone (a held one is
+        kept unless `force`: its outputs or stolen grads are in use, and the aliases keep its memory alive): memory
+        returned, counted, the partition's first release logged."""
         released = 0
         for graph in graphs:
-            if graph.captured is None or graph.busy() or (graph.bw is not None and graph.bw.busy()):
+            if not graph.alive:
+                continue
+            if not force and (graph.held() or (graph.bw is not None and graph.bw.held())):
                 continue
             if graph.kind == "backward":  # alone (arena.py): its forward instance captures it again when needed
-                graph.owner.entry.forward.drop_backward(graph)
+                graph.family.entry.forward.drop_backward(graph)
             else:
-                graph.owner.graphs.remove(graph)
-                self.graph_counts[graph.param_storages] -= 1
+                graph.family.remove(graph)
+                usage = self._usage.pop(graph, None)
+                if usage is not None:
+                    self._param_set(usage.key).graphs -= 1
             self.runtime.discard(graph)
             released += 1
         if not released:
@@ -260,9 +452,9 @@ class PartitionRunner:
                      "in stats()['partitions']", self.describe(), released, why)
 
     def retire_superseded(self, group: ArenaGroup) -> None:
-        """Release the graphs of the idle arenas a larger size superseded (arena.py): each size captures again into
+        """Release the graphs of the free arenas a larger size superseded (arena.py): each size captures again into
         a full-size arena at its next call."""
-        self.release_graphs([graph for arena in group.superseded_idle() for graph in arena.member_graphs()],
+        self.release_graphs([graph for arena in group.superseded_free() for graph in arena.member_graphs()],
                             "a larger input size needs more output memory: its size captures again into the "
                             "larger output arena")
 
@@ -275,7 +467,7 @@ class PartitionRunner:
         log.warning("cgcompile: %s stops capturing new sizes: %s", self.describe(), self.counters.stopped)
         record("bank_stops", self.name, self.counters.stopped, once=True)
         self.release_graphs([graph for entry in self.bank.values() for family in (entry.forward, entry.inference)
-                             if family is not None for graph in family.graphs if graph.replays <= 1],
+                             if family is not None for graph in family.all_instances() if graph.replays <= 1],
                             "never replayed")
 
     def fail(self, reason: str, storm: bool = False) -> None:
@@ -297,17 +489,9 @@ class PartitionRunner:
         bank policy starts over with its accounting."""
         for entry in self.bank.values():
             entry.discard()
-        self.bank, self.graph_counts = {}, {}
+        self.bank = {}
         self._arena_groups = {}
-        self.counters = bank_policy.BankCounters()
-        self.unjudged.clear()
-
-    def eager_call(self, reason: str) -> None:
-        """One call runs eagerly (bank full): log and count once per partition and reason."""
-        record("eager_fallbacks", self.name, reason, once=True)
-        if reason not in self._warned:
-            self._warned.add(reason)
-            log.warning("cgcompile: %s: %s", self.describe(), reason)
+        self._start_policy()
 
 
 _FIX_HINT = ("Fix: dynamic_padding='buckets' (or 'max') with torch._dynamo.config.capture_dynamic_output_shape_ops="
@@ -318,7 +502,7 @@ _FIX_HINT = ("Fix: dynamic_padding='buckets' (or 'max') with torch._dynamo.confi
 def compile_partition(submod: fx.GraphModule, example_inputs: Sequence[Any], *, name: str,
                       static_input_indices: Sequence[int], runtime: ModelRuntime,
                       location: Optional[str] = None, frame: Optional[str] = None,
-                      input_names: Sequence[str] = ()) -> Callable[..., Any]:
+                      input_names: Sequence[str] = (), batch_symbol: Optional[str] = None) -> Callable[..., Any]:
     """Wrap one captured partition of a split Dynamo graph.
 
     Returns a callable with submod's calling convention (positional args; returns what submod returns).
@@ -327,7 +511,8 @@ def compile_partition(submod: fx.GraphModule, example_inputs: Sequence[Any], *, 
     `_dynamo_static_input_type` count as static too). `location` ("file:line") goes into fallback warnings,
     `frame` (the Dynamo frame's function and file:line) into the graphs' labels.
     `input_names` (per submod input) into a failed capture's reason. A partition with a symbolic size among its
-    example inputs (its sizes vary) shares output memory across sizes (arena.py).
+    example inputs (its sizes vary) shares output memory across sizes (arena.py); `batch_symbol` (capture_sizes:
+    the frame's batch symbol, "s0") lets its arenas be sized for the largest declared size at once.
     When nothing would be captured or compiled (eager driver and eager inner compiler), submod itself is
     returned: the cheapest host path.
     """
@@ -336,4 +521,7 @@ def compile_partition(submod: fx.GraphModule, example_inputs: Sequence[Any], *, 
         return submod
     sized = any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
         isinstance(d, torch.SymInt) for d in v.shape)) for v in example_inputs)
-    return PartitionRunner(submod, name, static_input_indices, runtime, location, driver, frame, input_names, sized)
+    batch_at = next(((i, d) for i, v in enumerate(example_inputs) if isinstance(v, torch.Tensor)
+                     for d, n in enumerate(v.shape) if batch_symbol is not None and str(n) == batch_symbol), None)
+    return PartitionRunner(submod, name, static_input_indices, runtime, location, driver, frame, input_names, sized,
+                           batch_at)

@@ -34,7 +34,7 @@ from .. import counters
 from ..errors import ConfigError
 from ..split import replace_submodule
 from .global_state import preserved_global_state
-from .graph import is_static_tensor
+from .graph import is_param_or_buffer
 from .release import register
 
 log = logging.getLogger("cgcompile")
@@ -70,7 +70,7 @@ def _static_key(args: Sequence[Any]) -> tuple:
     their sample tensor, which for a parameter shares its memory: a call with another layer's parameters
     would overwrite the graphed layer's. So a frame is graphed only when it has seen one parameter set.
     """
-    return tuple(id(a) for a in args if is_static_tensor(a))
+    return tuple(id(a) for a in args if is_param_or_buffer(a))
 
 
 def _sample(arg: Any) -> Any:
@@ -90,7 +90,7 @@ def _sample(arg: Any) -> Any:
     caller's autograd, which accumulates them into the tensor actually passed, the parameter."""
     if not isinstance(arg, torch.Tensor):
         return arg
-    if is_static_tensor(arg):
+    if is_param_or_buffer(arg):
         return arg.detach().requires_grad_(arg.requires_grad)
     return arg.detach().clone().requires_grad_(arg.requires_grad)
 
@@ -198,5 +198,5 @@ def emulated_make_graphed_callables(callables: Sequence[Any], sample_args: Seque
     runtime = ModelRuntime(config, torch.device("cpu"))
     return tuple(
         compile_partition(fn, list(sample), name=f"te_callable_{i}", runtime=runtime,
-                          static_input_indices=[j for j, a in enumerate(sample) if is_static_tensor(a)])
+                          static_input_indices=[j for j, a in enumerate(sample) if is_param_or_buffer(a)])
         for i, (fn, sample) in enumerate(zip(callables, sample_args)))
