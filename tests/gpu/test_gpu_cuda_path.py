@@ -1,0 +1,47 @@
+"""The CUDA path's device, pool and RNG rules with real CUDA graphs; skipped without a CUDA device. The CPU twin,
+tests/test_cuda_path.py, checks the decisions; here what only a GPU shows: captures on the model's device, pools
+re-used after their graphs were reset, the default generator after a failed capture."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cgcompile
+from cgcompile.runtime import live_runtimes
+from tests.test_runtime_traps import Net, batch, compiled
+
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _device_pairs():
+    """(model device, current device): a mismatch needs two devices; one GPU runs the matched pair only."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [(1, 0), (0, 1)] if n > 1 else [(0, 0)]
+
+
+@pytest.mark.parametrize("model_index, current_index", _device_pairs())
+def test_a_model_on_another_device_than_the_current_one_is_captured_there(model_index, current_index):
+    """A model on cuda:1 while the current device is 0 (torchrun without set_device): streams, pools and
+    captures must be on cuda:1, or the capture records nothing and replays return stale outputs."""
+    device = torch.device("cuda", model_index)
+    torch.manual_seed(0)
+    model = Net().to(device)
+    reference = copy.deepcopy(model)
+    cgcompile.reset_stats()
+    with torch.cuda.device(current_index):
+        run = compiled(model, driver="cuda")
+        for step in range(6):
+            x, y = (t.to(device) for t in batch(step))
+            model.zero_grad(), reference.zero_grad()
+            loss, expected = F.mse_loss(run(x), y), F.mse_loss(reference(x), y)
+            loss.backward(), expected.backward()
+            torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
+            for p, q in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+        assert torch.cuda.current_device() == current_index
+    st = cgcompile.stats()
+    assert st["graphs_captured"] > 0 and st["replays"] > 0 and st["eager_fallbacks"] == [], st
+    assert {rt.device for rt in live_runtimes() if rt.live_graphs()} == {device}

@@ -1,0 +1,65 @@
+"""The CUDA path's decisions, checked on the CPU (the CUDA twins are in tests/gpu): which device a frame's
+streams, pools and captures belong to (with its index), which pool a capture into a token really uses, and what
+torch's version says about random generators in captures. Fake CUDA tensors (FakeTensorMode) carry devices
+without a GPU."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from cgcompile.backend import compile_frame, make_plan
+from cgcompile.config import CudaGraphConfig
+from cgcompile.runtime.cuda_driver import CudaDriver
+from cgcompile.runtime.drivers import captures_on, device_of
+from cgcompile.runtime.model_runtime import ModelRuntime
+
+CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
+
+
+def fake(*shape, device):
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return torch.empty(*shape, device=device)
+
+
+def test_the_frame_device_keeps_its_index():
+    """A model on cuda:1 (its parameters) called with a cuda:1 batch while the current device is 0."""
+    params = [fake(4, 4, device=CUDA1) for _ in range(3)]
+    assert device_of([fake(2, 4, device=CUDA1), *params, 3, torch.tensor(1.0)]) == CUDA1
+    assert device_of([fake(2, 4, device=CUDA0), *params]) == CUDA1  # the parameters' device wins
+    assert device_of([fake(2, device=CUDA1), fake(2, device=CUDA0)]) == CUDA1  # a tie: the first
+    assert device_of([torch.ones(2), 3]) == torch.device("cpu")
+
+
+def test_a_partition_is_captured_only_on_its_own_device():
+    assert captures_on(CUDA1, [fake(2, device=CUDA1), torch.tensor(2.0), 3])
+    assert not captures_on(CUDA1, [fake(2, device=CUDA1), fake(2, device=CUDA0)])  # cuda:0 kernels: not recorded
+    assert not captures_on(CUDA1, [torch.ones(2)])  # no CUDA tensor: nothing to capture
+    assert CudaDriver(CUDA1).device == CUDA1  # an explicit index is kept, never replaced by the current device
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * 2
+
+
+def test_the_backend_hands_the_runtime_the_device_with_its_index():
+    """compile_frame used to build ModelRuntime(torch.device("cuda")): the driver then took the current device."""
+    seen = []
+
+    def grab(gm, example_inputs):
+        seen.append((gm, example_inputs))
+        return gm.forward
+
+    torch.compile(_Linear(), backend=grab)(torch.randn(2, 4))
+    gm, example_inputs = seen[0]
+    on_cuda1 = [fake(*t.shape, device=CUDA1) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    config = CudaGraphConfig.from_options({"driver": "emulate", "cuda_graph_modules": []})
+    plan = make_plan(gm, example_inputs, config, 0)
+    plan.device = device_of(on_cuda1).type
+    run = compile_frame(gm, on_cuda1, plan, config)  # captures lazily: nothing runs here
+    assert run.runtime.device == CUDA1
+    assert ModelRuntime(config, CUDA1).device == CUDA1
