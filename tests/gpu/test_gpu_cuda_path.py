@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import cgcompile
-from cgcompile.runtime import live_runtimes
 from tests.test_runtime_traps import Net, batch, compiled
+from tests.test_runtime_traps import runtimes  # noqa: F401  (a pytest fixture, used by name)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -23,7 +23,8 @@ def _device_pairs():
 
 
 @pytest.mark.parametrize("model_index, current_index", _device_pairs())
-def test_a_model_on_another_device_than_the_current_one_is_captured_there(model_index, current_index):
+def test_a_model_on_another_device_than_the_current_one_is_captured_there(model_index, current_index,
+                                                                          runtimes):  # noqa: F811
     """A model on cuda:1 while the current device is 0 (torchrun without set_device): streams, pools and
     captures must be on cuda:1, or the capture records nothing and replays return stale outputs."""
     device = torch.device("cuda", model_index)
@@ -44,4 +45,4 @@ def test_a_model_on_another_device_than_the_current_one_is_captured_there(model_
         assert torch.cuda.current_device() == current_index
     st = cgcompile.stats()
     assert st["graphs_captured"] > 0 and st["replays"] > 0 and st["eager_fallbacks"] == [], st
-    assert {rt.device for rt in live_runtimes() if rt.live_graphs()} == {device}
+    assert runtimes and {rt.device for rt in runtimes} == {device}
