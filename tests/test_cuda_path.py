@@ -63,3 +63,29 @@ def test_the_backend_hands_the_runtime_the_device_with_its_index():
     run = compile_frame(gm, on_cuda1, plan, config)  # captures lazily: nothing runs here
     assert run.runtime.device == CUDA1
     assert ModelRuntime(config, CUDA1).device == CUDA1
+
+
+def test_which_torch_releases_leave_the_default_generator_in_capture_mode():
+    """Read in the CUDA builds of 2.11.0, 2.12.0 and 2.13.0 (see _compat): only 2.11's one capture flag per
+    generator outlives a failed capture; a 2.12 pre-release counts as 2.11 (the undo is harmless there)."""
+    from cgcompile import _compat
+
+    assert _compat.generator_capture_state_outlives_failure("2.11.0+cu130")
+    assert _compat.generator_capture_state_outlives_failure("2.12.0a0+git1234")
+    assert not _compat.generator_capture_state_outlives_failure("2.12.0")
+    assert not _compat.generator_capture_state_outlives_failure("2.13.0+cu130")
+
+
+@pytest.mark.parametrize("torch_message", [
+    "RNG op during graph capture but generator is not registered with the capturing graph. Call "
+    "graph.register_generator_state() before capture_begin().",  # 2.12, 2.13
+    "Attempt to increase offset for a CUDA generator not in capture mode.",  # 2.11
+])
+def test_a_capture_that_draws_from_an_own_generator_says_how_to_fix_it(torch_message):
+    from cgcompile.runtime.cuda_driver import capture_failure
+
+    text = str(capture_failure(RuntimeError(torch_message)))
+    assert text.startswith(f"CUDA graph capture failed: {torch_message}")
+    assert "torch.Generator of its own" in text and "torch.manual_seed" in text and "eager_region" in text
+    assert "torch.Generator" not in str(capture_failure(RuntimeError("operation not permitted when stream is "
+                                                                      "capturing")))

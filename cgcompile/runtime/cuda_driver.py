@@ -6,6 +6,7 @@ The interface is driver.py's; the runtime decides what to copy in, which pool a 
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from typing import Any, List, Optional, Sequence
 
@@ -16,7 +17,9 @@ from .capture_guard import capture_guard
 from .driver import CaptureError, CapturedGraph, Driver, Fn
 from .global_state import preserved_global_state
 
-__all__ = ["CudaDriver", "release_cuda_graphs"]
+log = logging.getLogger("cgcompile")
+
+__all__ = ["CudaDriver", "capture_failure", "end_generator_capture", "release_cuda_graphs"]
 
 
 class _CudaGraph(CapturedGraph):
@@ -53,10 +56,11 @@ class CudaDriver(Driver):
 
     Before capture, fn runs once on the side stream (torch's documented warmup: lazy cuBLAS/cuDNN init must not
     happen inside a capture) under the host-sync guard. Pools come from torch.cuda.graph_pool_handle(); the
-    runtime decides which graphs share one. RNG: torch registers the default CUDA generator with a capture by
-    itself (2.11/2.13: a generator used during capture creates its per-capture state lazily, see
-    CUDAGeneratorImpl::philox_cuda_state and CUDAGraph::capture_end), so each replay draws fresh numbers; we
-    register nothing explicitly (registering an unused generator is not safe on every version).
+    runtime decides which graphs share one. RNG (2.11, 2.12, 2.13; see _compat's generator notes): capture_begin
+    registers the capture device's default generator, so each replay draws fresh numbers from it; a torch.Generator
+    of the user's own is not registered (these releases register no generator lazily) and drawing from it inside a
+    capture fails the capture: that partition runs eagerly, the reason says why. After a capture that failed inside
+    CUDA, torch 2.11 leaves the default generator in capture mode; _undo_failed_capture ends that.
     """
 
     name = "cuda"
@@ -114,7 +118,7 @@ class CudaDriver(Driver):
             except Exception as exc:
                 self._undo_failed_capture(graph, pool, stream, current)
                 cause = failure[0] if failure else exc
-                raise CaptureError(f"CUDA graph capture failed: {cause}") from cause
+                raise capture_failure(cause) from cause
             pool_bytes = max(0, torch.cuda.memory_reserved(self.device) - reserved)
         return _CudaGraph(graph, static_inputs, outputs, pool_bytes)
 
@@ -130,6 +134,8 @@ class CudaDriver(Driver):
         did both), and retire the pool token, because the host allocator's recording cannot be ended from
         Python (it raises "beginAllocateToPool: already recording to mempool_id" on the next capture into it).
         The graph object is kept: the allocators keep a callback that reads it. The side stream is replaced.
+        On torch 2.11 the device's default generator stays in capture mode (every eager draw raises "Offset
+        increment outside graph capture") until a capture completes: end_generator_capture completes one.
         """
         with torch.cuda.stream(stream):
             if torch.cuda.is_current_stream_capturing():  # capture_end refused (e.g. called on another stream)
@@ -143,11 +149,42 @@ class CudaDriver(Driver):
         if not _capture_succeeded(graph):
             _ABANDONED_GRAPHS.append(graph)
             self.retire_pool(pool)
+            if _compat.generator_capture_state_outlives_failure():
+                end_generator_capture(self.device)
         self._stream = None
 
     def release(self) -> None:
         super().release()
         self._stream = None
+
+
+def capture_failure(cause: BaseException) -> CaptureError:
+    """The CaptureError for a failed capture: torch's message, and the fix when the cause is a draw from a
+    generator the capture did not register."""
+    message = f"CUDA graph capture failed: {cause}"
+    if _compat.is_unregistered_generator_error(str(cause)):
+        message += (" (the captured code draws from a torch.Generator of its own: CUDA graphs on torch 2.11-2.13 "
+                    "register only the device's default generator; draw from the default generator, seeded with "
+                    "torch.manual_seed, or keep that code in a cgcompile.eager_region)")
+    return CaptureError(message)
+
+
+def end_generator_capture(device: torch.device) -> None:
+    """End the capture mode a failed capture left on `device`'s default generator (torch < 2.12, _compat): complete
+    one tiny capture there (its capture_end runs the generator's capture_epilogue), then destroy it. It draws no
+    random number, so the generator's offset is unchanged. Best effort: a device that cannot capture now (a sticky
+    CUDA error) is left as it is."""
+    try:
+        with torch.cuda.device(device):
+            scratch = torch.zeros(1, device=device)
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                scratch.add_(1)  # one kernel: an empty graph warns
+            graph.reset()
+    except Exception as exc:  # the capture that failed already raised; this one must not hide it
+        log.debug("cgcompile: could not end the default generator's capture mode on %s: %s", device, exc)
 
 
 # Graphs whose capture failed half way. torch's allocators may still hold a stream filter that reads the graph

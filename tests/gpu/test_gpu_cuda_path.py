@@ -46,3 +46,38 @@ def test_a_model_on_another_device_than_the_current_one_is_captured_there(model_
     st = cgcompile.stats()
     assert st["graphs_captured"] > 0 and st["replays"] > 0 and st["eager_fallbacks"] == [], st
     assert runtimes and {rt.device for rt in runtimes} == {device}
+
+
+def test_eager_draws_work_after_a_capture_failed_inside_cuda():
+    """A sync inside the capture (warmup=False skips the guard) invalidates it; on torch 2.11 the default
+    generator then stayed in capture mode and the next eager draw raised "Offset increment outside graph
+    capture encountered unexpectedly". Afterwards draws work, and the undo drew nothing."""
+    from cgcompile.runtime.cuda_driver import CudaDriver
+    from cgcompile.runtime.driver import CaptureError
+
+    driver = CudaDriver(torch.device("cuda"))
+    x = torch.randn(4, device="cuda")
+    state = torch.cuda.get_rng_state()
+    with pytest.raises(CaptureError):
+        driver.capture(lambda a: [a[0] * a[0].sum().item()], [x], driver.new_pool(), warmup=False)
+    first = torch.rand(8, device="cuda")
+    dropped = F.dropout(torch.ones(64, device="cuda"), 0.5)
+    torch.cuda.set_rng_state(state)
+    torch.testing.assert_close(first, torch.rand(8, device="cuda"))
+    torch.testing.assert_close(dropped, F.dropout(torch.ones(64, device="cuda"), 0.5))
+    graph = driver.capture(lambda a: [F.dropout(a[0], 0.5)], [torch.ones(1024, device="cuda")])
+    masks = [graph.replay()[0].clone() for _ in range(2)]
+    assert not torch.equal(masks[0], masks[1])  # captures draw fresh numbers per replay again
+
+
+def test_a_capture_drawing_from_an_own_generator_fails_with_the_fix_and_leaves_both_generators_usable():
+    from cgcompile.runtime.cuda_driver import CudaDriver
+    from cgcompile.runtime.driver import CaptureError
+
+    own = torch.Generator(device="cuda").manual_seed(1)
+    driver = CudaDriver(torch.device("cuda"))
+    x = torch.zeros(4, device="cuda")
+    with pytest.raises(CaptureError, match="torch.Generator of its own"):
+        driver.capture(lambda a: [a[0] + torch.rand(4, device="cuda", generator=own)], [x])
+    torch.rand(4, device="cuda", generator=own)
+    torch.rand(4, device="cuda")
