@@ -89,3 +89,43 @@ def test_a_capture_that_draws_from_an_own_generator_says_how_to_fix_it(torch_mes
     assert "torch.Generator of its own" in text and "torch.manual_seed" in text and "eager_region" in text
     assert "torch.Generator" not in str(capture_failure(RuntimeError("operation not permitted when stream is "
                                                                       "capturing")))
+
+
+class _Tokens(CudaDriver):
+    """The CUDA driver with pool tokens a CPU build can make (torch.cuda.graph_pool_handle needs CUDA); the
+    bookkeeping under test is the driver's own."""
+
+    def __init__(self):
+        super().__init__(CUDA0)
+        self.made = 0
+
+    def new_pool(self):
+        self.made += 1
+        return (0, self.made)
+
+
+class _Graph:
+    """Stands in for a captured graph as the ledger sees it: an object that lives and dies."""
+
+
+def test_a_token_whose_graphs_were_all_reset_gets_a_fresh_pool():
+    """torch keeps a pool whose graphs were all reset at use count 0 while any of its blocks is allocated (a
+    kept output), and asserts use_count > 0 at the next capture into it: e.g. a single-graph frame whose
+    parameter moved drops its graph, then captures again with the same token."""
+    driver = _Tokens()
+    token = driver.new_pool()
+    assert driver.pool_for_capture(token) == token  # never used: torch creates it at the first capture
+    first, second = _Graph(), _Graph()
+    release_first = driver.pools.track(first, token)
+    driver.pools.track(second, token)
+    release_first()
+    release_first()  # a graph's release and its collection count once
+    del first
+    assert driver.pool_for_capture(token) == token  # one graph still holds it: shared as before
+    del second  # the last one goes (collected without an explicit reset)
+    fresh = driver.pool_for_capture(token)
+    assert fresh != token and driver.pool_for_capture(token) == fresh  # the token keeps its new pool
+    third = _Graph()
+    driver.pools.track(third, fresh)
+    assert driver.pool_for_capture(token) == fresh and driver.pools.live_graphs(fresh) == 1
+    assert driver.pool_for_capture(None) not in (token, fresh)  # no token: a private pool

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
@@ -19,14 +19,15 @@ from .global_state import preserved_global_state
 
 log = logging.getLogger("cgcompile")
 
-__all__ = ["CudaDriver", "capture_failure", "end_generator_capture", "release_cuda_graphs"]
+__all__ = ["CudaDriver", "PoolLedger", "capture_failure", "end_generator_capture", "release_cuda_graphs"]
 
 
 class _CudaGraph(CapturedGraph):
     def __init__(self, graph: Any, static_inputs: Sequence[Any], static_outputs: Sequence[Any],
-                 pool_bytes: int):
+                 pool_bytes: int, ledger: "PoolLedger", pool: Any):
         super().__init__(static_inputs, static_outputs, pool_bytes)
         self.graph = graph
+        self._left_pool = ledger.track(self, pool)  # called at release(), or when this object is collected
         _LIVE.add(self)
 
     def replay(self) -> List[Any]:
@@ -40,6 +41,7 @@ class _CudaGraph(CapturedGraph):
         if self.graph is not None:
             self.graph.reset()
             self.graph = None
+            self._left_pool()
 
 
 _LIVE: "weakref.WeakSet[_CudaGraph]" = weakref.WeakSet()
@@ -49,6 +51,40 @@ def release_cuda_graphs() -> None:
     """Destroy every CUDA graph this process captured through the CUDA driver that is still alive."""
     for graph in list(_LIVE):
         graph.release()
+
+
+class PoolLedger:
+    """How many live graphs each pool of a CudaDriver holds, so a pool none holds any more is not captured into.
+
+    torch's caching allocator (c10/cuda/CUDACachingAllocator.cpp, 2.11 and 2.13) counts the graphs using a private
+    pool: capture_begin increments (create_or_incref_pool), a graph's reset or destruction decrements
+    (releasePool). At 0 the pool only waits to be freed, and is removed once none of its blocks is allocated; until
+    then a capture into it fails the internal assert `use_count > 0`. A graph's outputs kept by anyone (a
+    held output, an arena) keep blocks allocated, so a token all of whose graphs were reset (a single-graph frame
+    whose parameter moved: the old graph is dropped, then the new one captured with the same token) gets a fresh
+    pool instead (CudaDriver.pool_for_capture). Graphs that share nothing with the old pool's lose nothing by it.
+    """
+
+    def __init__(self) -> None:
+        self._live: dict = {}  # pool -> live graphs captured into it
+
+    def track(self, graph: Any, pool: Any) -> Callable[[], None]:
+        """Count `graph` in `pool` until the returned callable runs (at its reset) or `graph` is collected,
+        whichever comes first; once either way."""
+        self._live[pool] = self._live.get(pool, 0) + 1
+        left = weakref.finalize(graph, self._leave, pool)
+        left.atexit = False
+        return left
+
+    def _leave(self, pool: Any) -> None:
+        self._live[pool] -= 1
+
+    def emptied(self, pool: Any) -> bool:
+        """Did `pool` hold graphs, all of which are gone now?"""
+        return self._live.get(pool) == 0
+
+    def live_graphs(self, pool: Any) -> int:
+        return self._live.get(pool, 0)
 
 
 class CudaDriver(Driver):
@@ -70,9 +106,19 @@ class CudaDriver(Driver):
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
         self._stream: Optional[torch.cuda.Stream] = None
+        self.pools = PoolLedger()
 
     def new_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
+
+    def pool_for_capture(self, pool: Any) -> Any:
+        """The pool a capture with token `pool` uses: what stands in for it after a failure (live_pool), a fresh
+        one when the token is None or its pool's graphs were all reset (PoolLedger: torch would assert)."""
+        pool = self.live_pool(pool) if pool is not None else self.new_pool()
+        if self.pools.emptied(pool):
+            self.retire_pool(pool)
+            pool = self.live_pool(pool)
+        return pool
 
     @contextlib.contextmanager
     def warmup_stream(self):
@@ -91,8 +137,7 @@ class CudaDriver(Driver):
 
     def capture(self, fn: Fn, static_inputs: Sequence[Any], pool: Any = None, *,
                 warmup: bool = True) -> CapturedGraph:
-        # explicit even when private, so a failed capture can release it
-        pool = self.live_pool(pool) if pool is not None else self.new_pool()
+        pool = self.pool_for_capture(pool)  # explicit even when private, so a failed capture can release it
         stream = self._side_stream()
         with torch.cuda.device(self.device), torch.no_grad():
             current = torch.cuda.current_stream()
@@ -120,7 +165,7 @@ class CudaDriver(Driver):
                 cause = failure[0] if failure else exc
                 raise capture_failure(cause) from cause
             pool_bytes = max(0, torch.cuda.memory_reserved(self.device) - reserved)
-        return _CudaGraph(graph, static_inputs, outputs, pool_bytes)
+        return _CudaGraph(graph, static_inputs, outputs, pool_bytes, self.pools, pool)
 
     def _undo_failed_capture(self, graph: Any, pool: Any, stream: Any, current: Any) -> None:
         """Leave the process as it was before the capture, so the next one (same token or not) succeeds.

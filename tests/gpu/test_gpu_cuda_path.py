@@ -81,3 +81,38 @@ def test_a_capture_drawing_from_an_own_generator_fails_with_the_fix_and_leaves_b
         driver.capture(lambda a: [a[0] + torch.rand(4, device="cuda", generator=own)], [x])
     torch.rand(4, device="cuda", generator=own)
     torch.rand(4, device="cuda")
+
+
+def test_a_token_whose_graphs_were_all_reset_captures_again():
+    """The graph's output is still held when the graph is reset: torch keeps the pool at use count 0 and a capture
+    into it failed create_or_incref_pool's internal assert (use_count > 0)."""
+    from cgcompile.runtime.cuda_driver import CudaDriver
+
+    driver = CudaDriver(torch.device("cuda"))
+    token = driver.new_pool()
+    x = torch.randn(64, 64, device="cuda")
+    old = driver.capture(lambda a: [a[0] @ a[0]], [x], token)
+    held = old.replay()[0]
+    old.release()
+    new = driver.capture(lambda a: [a[0] + 1], [x], token)
+    torch.testing.assert_close(new.replay()[0], x + 1)
+    torch.testing.assert_close(held, x @ x)  # the old output's memory was not handed to the new graph
+
+
+def test_a_single_graph_frame_whose_parameter_moved_is_captured_again():
+    """One graph in the frame's shared pool, its output kept (clone_outputs off), the parameter moves before the
+    graph was used twice: the re-capture goes to the same token, whose only graph was just dropped."""
+    model = torch.nn.Linear(16, 16).cuda()
+    run = torch.compile(model, backend="cudagraph_modules",
+                        options={"driver": "cuda", "cuda_graph_warmup_steps": 1, "clone_outputs": False})
+    cgcompile.reset_stats()
+    x = torch.randn(4, 16, device="cuda")
+    with torch.no_grad():
+        run(x)
+        kept = run(x)  # captured and replayed once: the capture wave is still open
+        model.weight.data = model.weight.data.clone() * 2
+        torch.testing.assert_close(run(x), model(x))
+        torch.testing.assert_close(run(x), model(x))
+    st = cgcompile.stats()
+    assert st["eager_fallbacks"] == [] and len(st["recaptures"]) >= 1, st
+    assert kept.shape == (4, 16)
