@@ -156,7 +156,8 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
     names = [f"submod_{p.id}" for p in captured]
     if config.cuda_graph_impl == CudaGraphImpl.TRANSFORMER_ENGINE:
         graphing_fn, te_options = resolve_graphing_fn(config.te)
-        return TEFrame(split_gm, names, graphing_fn, te_options, config.cuda_graph_warmup_steps)
+        return TEFrame(split_gm, names, graphing_fn, te_options, config.cuda_graph_warmup_steps,
+                       clone_outputs=config.clone_outputs, device=device_of(example_inputs))
 
     for name, partition in zip(names, captured):
         submod = getattr(split_gm, name)
