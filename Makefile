@@ -37,10 +37,12 @@ bench: $(VENV)/.installed
 
 # On a CUDA machine: installs into that machine's Python and torch (not .venv), runs the GPU tests and benchmarks
 # under time limits, writes one markdown report. Without CUDA it prints what it would run and fails.
+# WHEELS=dir installs offline from a folder of wheels (pip --no-index --find-links dir).
 GPU_PYTHON ?= python3
 REPORT ?= gpu-check.md
+WHEELS ?=
 gpu-check:
-	$(GPU_PYTHON) benchmarks/gpu_check.py --report "$(REPORT)"
+	$(GPU_PYTHON) benchmarks/gpu_check.py --report "$(REPORT)" $(if $(WHEELS),--wheels "$(WHEELS)")
 
 # Megatron-Core parity, live: the parity cases through megatron.core itself (it needs Python >= 3.12 and torch;
 # PyPI's torch, a large download, is installed into that venv on first use). MCORE_VENV=... reuses a venv.

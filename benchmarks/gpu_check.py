@@ -2,16 +2,24 @@
 
     python benchmarks/gpu_check.py --report gpu-check.md     # or: make gpu-check REPORT=gpu-check.md
 
-Stages (STAGES below; add one by appending a Stage), in order, each in its own process group with a time limit
+    python benchmarks/gpu_check.py --report gpu-check.md --wheels DIR   # offline: or make gpu-check WHEELS=DIR
+
+Stages (stages() below; add one by appending a Stage), in order, each in its own process group with a time limit
 (killed, with every child, when it runs over) and all of them inside one overall budget (BUDGET_S) so the run
 ends within 8 minutes on an H100:
   install      pip install --no-deps --no-build-isolation -e . into the Python running this script (the
-               machine's torch is kept), plus the missing test packages
-  gpu-tests    pytest tests/gpu except the NCCL file, per-test timeout (pytest-timeout)
+               machine's torch is kept), then each missing test package on its own: one that cannot be
+               installed (offline, no wheel for it) is reported and skipped, it fails nothing. With --wheels
+               every pip call is offline: --no-index --find-links DIR. Only a failed project install stops
+               the later stages.
+  gpu-tests    pytest tests/gpu except the NCCL file, --continue-on-collection-errors (a module that cannot
+               be imported is reported, the others run), per-test timeout when pytest-timeout is installed
+  gpu-nccl     pytest tests/gpu/test_gpu_distributed.py alone, before the long benchmarks: its process-group
+               teardown has been seen to hang (the stage limit then kills it; the results printed before count)
   bench-*      benchmarks/bench_gpu.py --quick: MoE with new tokens every step, KV-cache decode, and Hugging
-               Face rows when bench_gpu.py offers a model whose name starts with "hf"
-  gpu-nccl     pytest tests/gpu/test_gpu_distributed.py alone and last: its process-group teardown has been seen
-               to hang (the stage limit then kills it; the test results printed before still count)
+               Face rows when bench_gpu.py offers a model whose name starts with "hf". cgcompile's rows run
+               first, then eager, then reduce-overhead, whose cold compile can take most of a stage's limit
+Commands that depend on what the install stage installed (pytest's plugins) are built when their stage starts.
 The report (device, torch, CUDA, date, each test's result, each benchmark's ms/step and goals, stage times) goes
 to --report; every stage's full output goes to <report stem>.logs/. Without CUDA it prints what it would run and
 exits 2 without running anything.
@@ -30,7 +38,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Callable, List, Optional
+import shlex
+from typing import Callable, List, Optional, Sequence, Union
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET_S = 450  # all stages together; leaves margin under 8 minutes for startup and the report
@@ -39,6 +48,7 @@ TEST_PACKAGES = {"pytest": "pytest", "pytest_timeout": "pytest-timeout", "expect
                  "hypothesis": "hypothesis", "numpy": "numpy"}  # import name -> pip name (pyproject's test extra)
 NCCL_TESTS = "tests/gpu/test_gpu_distributed.py"
 NO_CUDA_EXIT = 2
+CG_FIRST = "cg-local-eager"  # cgcompile's own row runs before the baselines in every benchmark stage
 
 
 @dataclasses.dataclass
@@ -46,9 +56,13 @@ class Stage:
     """One step of the check: a command, its own time limit, and how to read its output into report lines."""
 
     name: str
-    argv: List[str]
+    argv: Union[List[str], Callable[[], List[str]]]  # a callable is built when the stage starts (after install)
     timeout_s: float
     summarize: Callable[[str], List[str]]
+    required: bool = False  # when it fails, the later stages are not run (the project install)
+
+    def command(self) -> List[str]:
+        return list(self.argv()) if callable(self.argv) else list(self.argv)
 
 
 @dataclasses.dataclass
@@ -58,27 +72,58 @@ class Outcome:
     seconds: float
     output: str
     lines: List[str]
+    argv: Optional[List[str]] = None  # what ran (None: not run)
+
+
+def have(module: str) -> bool:
+    """Is `module` importable by this Python now (after the install stage, too)?"""
+    importlib.invalidate_caches()
+    return importlib.util.find_spec(module) is not None
 
 
 def missing_test_packages() -> List[str]:
-    return [pip for module, pip in TEST_PACKAGES.items() if importlib.util.find_spec(module) is None]
+    return [pip for module, pip in TEST_PACKAGES.items() if not have(module)]
 
 
-def install_argv(python: str) -> List[str]:
-    command = f"{python} -m pip install -q --no-deps --no-build-isolation -e ."
-    missing = missing_test_packages()
-    if missing:  # none of them depends on torch, so the machine's torch stays
-        command += f" && {python} -m pip install -q " + " ".join(missing)
-    return ["bash", "-c", command]
+def pip_install(python: str, wheels: Optional[str]) -> str:
+    """The pip install command line; offline from `wheels` (a folder of wheels) when given."""
+    offline = f" --no-index --find-links {shlex.quote(wheels)}" if wheels else ""
+    return f"{python} -m pip install -q{offline}"
 
 
-def pytest_argv(python: str, *paths: str, ignore: Optional[str] = None) -> List[str]:
-    argv = [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--timeout={TEST_TIMEOUT_S}", *paths]
-    return argv + ([f"--ignore={ignore}"] if ignore else [])
+def optional_installs(python: str, packages: Sequence[str], wheels: Optional[str]) -> List[str]:
+    """One command per package that never fails: a package pip cannot install (offline, no wheel) is reported,
+    and only the tests needing it skip or fail to collect."""
+    return [f"{{ {pip_install(python, wheels)} {shlex.quote(p)} || echo 'gpu-check: test package {p} not "
+            f"installed ({'no wheel in ' + wheels if wheels else 'pip failed'}): the tests that need it do not run'; }}"
+            for p in packages]
+
+
+def install_argv(python: str, wheels: Optional[str] = None) -> List[str]:
+    # none of the test packages depends on torch, so the machine's torch stays
+    lines = [f"{pip_install(python, wheels)} --no-deps --no-build-isolation -e ."]
+    lines += optional_installs(python, missing_test_packages(), wheels)
+    return ["bash", "-c", " && ".join(lines)]
+
+
+def pytest_argv(python: str, *paths: str, ignore: Optional[str] = None, timeout: bool = True) -> List[str]:
+    """pytest -v over `paths`; a module that fails to import is reported and the others still run; a per-test time
+    limit when pytest-timeout is there (`timeout`; without it, `--timeout` would be a usage error)."""
+    argv = [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
+    argv += [f"--timeout={TEST_TIMEOUT_S}"] if timeout else []
+    return argv + list(paths) + ([f"--ignore={ignore}"] if ignore else [])
+
+
+def pytest_stage_argv(python: str, *paths: str, ignore: Optional[str] = None) -> Callable[[], List[str]]:
+    """pytest_argv, built when the stage starts: whether pytest-timeout is there is known only after install."""
+    return lambda: pytest_argv(python, *paths, ignore=ignore, timeout=have("pytest_timeout"))
 
 
 def bench_argv(python: str, models: str, variants: str) -> List[str]:
-    return [python, "benchmarks/bench_gpu.py", "--quick", "--models", models, "--variants", variants]
+    """bench_gpu.py --quick; cgcompile's row first (CG_FIRST), the others in the order given."""
+    names = [v for v in variants.split(",") if v]
+    ordered = [v for v in names if v == CG_FIRST] + [v for v in names if v != CG_FIRST]
+    return [python, "benchmarks/bench_gpu.py", "--quick", "--models", models, "--variants", ",".join(ordered)]
 
 
 def bench_models() -> tuple:
@@ -91,6 +136,8 @@ def bench_models() -> tuple:
 # ---- reading stage output -----------------------------------------------------------------------------------
 
 TEST_LINE = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+COLLECT_ERROR = re.compile(r"^ERROR (\S+\.py)(?: - (.*))?$")  # pytest's short summary: a module that did not import
+COLLECT_SECTION = re.compile(r"^_+ ERROR collecting (\S+) _+$")  # its traceback; the first "E   " line says why
 PYTEST_TOTAL = re.compile(r"^=+ (.*(?:passed|failed|error|skipped|deselected|no tests ran).*) in [\d.]+s")
 BENCH_ROW = re.compile(r"^\s*\[(\S+)\] (\S+): (.*)$")  # "  [moe] eager: 96.8 ms/step, compile+capture 0.1 s"
 BENCH_NA = re.compile(r"^\S+: n/a: ")  # a workload bench_gpu.py could not build
@@ -98,13 +145,24 @@ BENCH_NA = re.compile(r"^\S+: n/a: ")  # a workload bench_gpu.py could not build
 
 def summarize_tests(output: str) -> List[str]:
     """One line per test (`name: OUTCOME`, the outcome first seen: a teardown ERROR after PASSED is kept too),
-    then pytest's own total."""
+    one per module that could not be collected (with pytest's reason), then pytest's own total."""
     lines, seen = [], set()
+    why, section = {}, None
     for line in output.splitlines():
+        opened = COLLECT_SECTION.match(line)
+        if opened:
+            section = opened.group(1)
+        elif section and line.startswith("E   ") and section not in why:
+            why[section] = line[4:].strip()
         hit = TEST_LINE.match(line)
         if hit and (hit.group(1), hit.group(2)) not in seen:
             seen.add((hit.group(1), hit.group(2)))
             lines.append(f"{hit.group(1)}: {hit.group(2)}")
+        broken = COLLECT_ERROR.match(line)
+        if broken and broken.group(1) not in seen:
+            seen.add(broken.group(1))
+            reason = broken.group(2) or why.get(broken.group(1), "see the log")
+            lines.append(f"{broken.group(1)}: not collected ({reason})")
         total = PYTEST_TOTAL.match(line)
         if total:
             lines.append(f"total: {total.group(1)}")
@@ -133,11 +191,19 @@ def summarize_tail(output: str) -> List[str]:
     return [line for line in output.splitlines()[-5:] if line.strip()]
 
 
-def stages(python: str) -> List[Stage]:
+def summarize_install(output: str) -> List[str]:
+    """What gpu-check itself said (test packages it could not install), then the last lines of pip's output."""
+    said = [line for line in output.splitlines() if line.startswith("gpu-check:")]
+    return said + [line for line in summarize_tail(output) if line not in said]
+
+
+def stages(python: str, wheels: Optional[str] = None) -> List[Stage]:
     """The check, in order. Extend here: a Stage with its command, time limit and summarizer."""
     result = [
-        Stage("install", install_argv(python), 120, summarize_tail),
-        Stage("gpu-tests", pytest_argv(python, "tests/gpu", ignore=NCCL_TESTS), 200, summarize_tests),
+        Stage("install", install_argv(python, wheels), 120, summarize_install, required=True),
+        Stage("gpu-tests", pytest_stage_argv(python, "tests/gpu", ignore=NCCL_TESTS), 200, summarize_tests),
+        # before the long benchmarks: its tests take seconds; a teardown that hangs is killed at the limit
+        Stage("gpu-nccl", pytest_stage_argv(python, NCCL_TESTS), 60, summarize_tests),
         Stage("bench-moe", bench_argv(python, "moe", "eager,reduce-overhead,cg-local-eager"), 120, summarize_bench),
         Stage("bench-decode", bench_argv(python, "decode", "eager,reduce-overhead,cg-local-eager,cg-full-iteration"),
               90, summarize_bench),
@@ -146,8 +212,6 @@ def stages(python: str) -> List[Stage]:
     if hf:
         result.append(Stage("bench-hf", bench_argv(python, ",".join(hf), "eager,reduce-overhead,cg-local-eager"),
                             120, summarize_bench))
-    # last: its process-group teardown has hung before; the stage limit then kills it
-    result.append(Stage("gpu-nccl", pytest_argv(python, NCCL_TESTS), 100, summarize_tests))
     return result
 
 
@@ -157,10 +221,11 @@ def run_stage(stage: Stage, limit_s: float, log_path: str) -> Outcome:
     """Run the stage in its own process group; past limit_s the whole group is killed (SIGKILL)."""
     started = time.monotonic()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    argv = stage.command()
     with open(log_path, "w+") as log:
-        log.write(f"$ {' '.join(stage.argv)}  (limit {limit_s:.0f} s)\n")
+        log.write(f"$ {' '.join(argv)}  (limit {limit_s:.0f} s)\n")
         log.flush()
-        proc = subprocess.Popen(stage.argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             rc = proc.wait(timeout=limit_s)
@@ -172,18 +237,19 @@ def run_stage(stage: Stage, limit_s: float, log_path: str) -> Outcome:
             status = f"timed out after {limit_s:.0f} s (killed)"
         log.seek(0)
         output = log.read().split("\n", 1)[1]  # the command's own output, without the "$ ..." header
-    return Outcome(stage, status, time.monotonic() - started, output, stage.summarize(output))
+    return Outcome(stage, status, time.monotonic() - started, output, stage.summarize(output), argv)
 
 
 def run_all(plan: List[Stage], budget_s: float, log_dir: str) -> List[Outcome]:
-    """Every stage within its own limit and what is left of the budget; a stage after an install failure or with
-    under 10 s of budget left is not run."""
+    """Every stage within its own limit and what is left of the budget; a stage after a failed required stage
+    (the project install) or with under 10 s of budget left is not run."""
     deadline = time.monotonic() + budget_s
     outcomes: List[Outcome] = []
     for stage in plan:
         left = deadline - time.monotonic()
-        if outcomes and outcomes[0].stage.name == "install" and outcomes[0].status != "ok":
-            outcomes.append(Outcome(stage, "not run: install failed", 0.0, "", []))
+        failed = next((o.stage.name for o in outcomes if o.stage.required and o.status != "ok"), None)
+        if failed:
+            outcomes.append(Outcome(stage, f"not run: {failed} failed", 0.0, "", []))
             continue
         if left < 10:
             outcomes.append(Outcome(stage, f"not run: overall budget of {budget_s:.0f} s used", 0.0, "", []))
@@ -212,7 +278,7 @@ def report_text(header: List[str], outcomes: List[Outcome], total_s: float, log_
            f"- full logs: {log_dir}", "", "| stage | result | seconds |", "|---|---|---|"]
     out += [f"| {o.stage.name} | {o.status} | {o.seconds:.0f} |" for o in outcomes]
     for o in outcomes:
-        out += ["", f"## {o.stage.name}: {o.status}", "", f"`{' '.join(o.stage.argv)}`", ""]
+        out += ["", f"## {o.stage.name}: {o.status}", "", f"`{' '.join(o.argv or o.stage.command())}`", ""]
         out += [f"- {line}" for line in o.lines] or ["- (nothing to report)"]
         if o.status != "ok" and o.output:
             tail = o.output.splitlines()[-30:]
@@ -223,8 +289,12 @@ def report_text(header: List[str], outcomes: List[Outcome], total_s: float, log_
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", required=True, help="markdown report to write")
+    parser.add_argument("--wheels", default=os.environ.get("WHEELS") or None,
+                        help="install offline from this folder of wheels (pip --no-index --find-links); env WHEELS")
     args = parser.parse_args(argv)
-    plan = stages(sys.executable)
+    if args.wheels:
+        args.wheels = os.path.abspath(args.wheels)
+    plan = stages(sys.executable, args.wheels)
     try:
         import torch
         cuda = torch.cuda.is_available()
@@ -235,7 +305,7 @@ def main(argv=None) -> int:
         print(f"gpu-check: no CUDA device ({why}); nothing was run and no report written. On a CUDA machine it "
               f"would run, in {BUDGET_S} s at most:")
         for stage in plan:
-            print(f"  {stage.name} (limit {stage.timeout_s:.0f} s): {' '.join(stage.argv)}")
+            print(f"  {stage.name} (limit {stage.timeout_s:.0f} s): {' '.join(stage.command())}")
         return NO_CUDA_EXIT
     log_dir = os.path.splitext(os.path.abspath(args.report))[0] + ".logs"
     os.makedirs(log_dir, exist_ok=True)

@@ -26,6 +26,7 @@ from .passes import input_description, is_static_placeholder, node_location
 from .passes.common import frame_name
 from .passes.batch_rows import batch_layout, batch_padding_blocker, batch_symbol
 from .runtime.capture_sizes import BatchBuckets
+from .runtime.drivers import device_of
 from .runtime.fsdp import keeper_for, resharded_inputs
 from .runtime.model_runtime import ModelRuntime
 from .runtime.partition_runner import compile_partition
@@ -40,12 +41,6 @@ register_with_torch_logs()
 
 _graph_counter = itertools.count()
 _listeners = threading.local()
-
-
-def device_of(example_inputs: Sequence[Any]) -> str:
-    """The device type the graph runs on: the first accelerator among its tensor inputs, else cpu."""
-    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
-    return next((d for d in sorted(devices) if d != "cpu"), "cpu")
 
 
 def scope_for(config: CudaGraphConfig, training: bool) -> Optional[str]:
@@ -70,7 +65,7 @@ def make_plan(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGra
     inline_checkpoints_around_islands(gm)
     hoist_scalar_input_reads(gm)
     pad_dynamic_rows(gm, config)
-    graph_plan = plan_graph(gm, config, index, training=training, device=device_of(example_inputs),
+    graph_plan = plan_graph(gm, config, index, training=training, device=device_of(example_inputs).type,
                             scope=scope or OFF_SCOPE, validate_tags=validate_tags,
                             input_findings=resharded_inputs(gm, example_inputs, config.fsdp_keep_unsharded))
     if config.capture_sizes:
@@ -150,7 +145,7 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
     plain FX code. A graph with nothing to capture runs unsplit (no extra host overhead)."""
     if not graph_plan.captured:
         return gm.forward
-    runtime = ModelRuntime(config, torch.device(graph_plan.device))
+    runtime = ModelRuntime(config, device_of(example_inputs))  # with its index: the plan keeps only the type
     if config.cuda_graph_impl != CudaGraphImpl.TRANSFORMER_ENGINE and str(config.inner_compiler) == "eager" \
             and not runtime.driver.captures:
         return gm.forward  # nothing to capture or compile (e.g. driver=auto on CPU): splitting only adds calls
@@ -161,7 +156,8 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
     names = [f"submod_{p.id}" for p in captured]
     if config.cuda_graph_impl == CudaGraphImpl.TRANSFORMER_ENGINE:
         graphing_fn, te_options = resolve_graphing_fn(config.te)
-        return TEFrame(split_gm, names, graphing_fn, te_options, config.cuda_graph_warmup_steps)
+        return TEFrame(split_gm, names, graphing_fn, te_options, config.cuda_graph_warmup_steps,
+                       clone_outputs=config.clone_outputs, device=device_of(example_inputs))
 
     for name, partition in zip(names, captured):
         submod = getattr(split_gm, name)

@@ -20,40 +20,13 @@ from cgcompile.passes.row_flow import row_flow
 from cgcompile.passes.sync_ops import find_host_syncs
 from cgcompile.profiling import HostOpCounter
 from tests.models import MODELS
+from tests.padding_run import STEPS, padding_options as _options, train_like_eager as _train_like_eager
 
 PADDED_MODELS = ["moe_mask", "mixtral", "qwen_moe"]
-STEPS = 6
 
 
 def _line_of(path, marker):
     return next(i for i, text in enumerate(linecache.getlines(path), 1) if marker in text)
-
-
-def _options(mode, **extra):
-    return {"cuda_graph_impl": "local", "driver": "emulate", "dynamic_padding": mode, "cuda_graph_warmup_steps": 1,
-            **extra}
-
-
-def _train_like_eager(spec, model, compiled, reference, steps=STEPS, accumulate=1, device=None, scale=1.0):
-    """New tokens every step; SGD-with-momentum steps on both (linear in the gradients, so float32 rounding in
-    the padded sums stays rounding; Adam would blow a 1e-10 gradient difference up to a full step); losses,
-    every gradient and the parameters must match (tolerances times `scale`: CUDA's index_add sums in any
-    order)."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    for step in range(steps):
-        for micro in range(accumulate):
-            (tokens,) = spec.example_inputs(seed=100 * step + micro, device=device)
-            loss, ref = spec.loss(compiled, tokens), spec.loss(reference, tokens)
-            torch.testing.assert_close(loss, ref, rtol=1e-6 * scale, atol=1e-6 * scale)
-            loss.backward()
-            ref.backward()
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5 * scale, atol=1e-6 * scale, msg=name)
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5 * scale, atol=1e-6 * scale)
 
 
 @pytest.mark.parametrize("mode", ["max", "buckets"])

@@ -21,6 +21,7 @@ def test_without_cuda_prints_the_plan_and_exits_non_zero(tmp_path):
     assert proc.stdout.startswith("gpu-check: no CUDA device"), proc.stdout
     for stage in ("install", "gpu-tests", "bench-moe", "bench-decode", "gpu-nccl"):
         assert f"  {stage} (limit " in proc.stdout, proc.stdout
+    assert "--no-index" not in proc.stdout
     assert "--no-build-isolation -e ." in proc.stdout and "--timeout=" in proc.stdout
     assert "bench_gpu.py --quick --models moe" in proc.stdout and "--models decode" in proc.stdout
     assert not report.exists()
@@ -84,3 +85,63 @@ def test_the_report_names_every_stage_and_its_failure(tmp_path):
     text = gpu_check.report_text(["- device: d"], [ok, bad], 3.0, "logs")
     assert "| a | ok | 1 |" in text and "| b | failed (exit 1) | 2 |" in text
     assert "## b: failed (exit 1)" in text and "```\nboom\n```" in text
+
+
+def test_stage_order_puts_nccl_before_the_benchmarks_and_cgcompile_first_in_each():
+    """The MoE benchmark once spent its 120 s on reduce-overhead's cold compile before cgcompile's own row, and
+    NCCL, last, was usually out of budget."""
+    plan = gpu_check.stages("python")
+    names = [s.name for s in plan]
+    assert names[:5] == ["install", "gpu-tests", "gpu-nccl", "bench-moe", "bench-decode"], names
+    for stage in plan:
+        if stage.name.startswith("bench-"):
+            variants = stage.command()[stage.command().index("--variants") + 1].split(",")
+            assert variants[0] == gpu_check.CG_FIRST and "reduce-overhead" in variants, variants
+    assert [s.name for s in plan if s.required] == ["install"]
+
+
+def test_wheels_make_every_pip_call_offline(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(gpu_check, "TEST_PACKAGES", {"cgcompile_no_such_module": "cgcompile-no-such-package"})
+    command = gpu_check.install_argv("python", str(tmp_path))[-1]
+    assert command.count("-m pip install") == 2, command  # the project, then the missing test package
+    assert command.count(f"--no-index --find-links {tmp_path}") == 2, command
+    # the flag (make passes WHEELS=dir as --wheels) reaches the plan; here, without CUDA, the printed plan
+    assert gpu_check.main(["--report", str(tmp_path / "r.md"), "--wheels", str(tmp_path)]) == gpu_check.NO_CUDA_EXIT
+    assert f"--no-index --find-links {tmp_path}" in capsys.readouterr().out
+    assert '--wheels "$(WHEELS)"' in open(os.path.join(ROOT, "Makefile")).read()
+
+
+def test_a_test_package_without_a_wheel_is_reported_and_fails_nothing(tmp_path):
+    """Offline, with a wheel folder that lacks the package: pip fails, the install line says so, and the stage
+    still ends well (only a failed project install stops the later stages)."""
+    lines = gpu_check.optional_installs(sys.executable, ["cgcompile-no-such-package"], str(tmp_path))
+    stage = gpu_check.Stage("install", ["bash", "-c", " && ".join(["true", *lines, "echo after"])], 60,
+                            gpu_check.summarize_install, required=True)
+    outcome = gpu_check.run_stage(stage, 60, str(tmp_path / "install.log"))
+    assert outcome.status == "ok", outcome.output
+    assert outcome.lines[0].startswith("gpu-check: test package cgcompile-no-such-package not installed (no wheel")
+    assert outcome.lines[-1] == "after"
+
+
+def test_a_failed_required_stage_stops_the_rest(tmp_path):
+    install = gpu_check.Stage("install", [sys.executable, "-c", "raise SystemExit(1)"], 60, gpu_check.summarize_tail,
+                              required=True)
+    tests = gpu_check.Stage("gpu-tests", [sys.executable, "-c", "print('ran')"], 60, gpu_check.summarize_tail)
+    outcomes = gpu_check.run_all([install, tests], 60, str(tmp_path))
+    assert [o.status for o in outcomes] == ["failed (exit 1)", "not run: install failed"]
+
+
+def test_a_module_that_does_not_import_leaves_the_other_tests_running(tmp_path):
+    """A collection error (a module importing a package the box lacks) used to stop pytest before any test ran."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_broken.py").write_text("import cgcompile_no_such_module\n\ndef test_never():\n    pass\n")
+    (tests / "test_fine.py").write_text("def test_ok():\n    pass\n")
+    argv = gpu_check.pytest_argv(sys.executable, "tests", timeout=False)
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    lines = gpu_check.summarize_tests(proc.stdout)
+    assert "tests/test_fine.py::test_ok: PASSED" in lines, proc.stdout
+    assert any(line.startswith("tests/test_broken.py: not collected (") and "cgcompile_no_such_module" in line
+               for line in lines), lines
+    assert lines[-1].startswith("total: 1 passed, 1 error"), lines
+    assert "--timeout=" not in " ".join(argv)  # without pytest-timeout the flag would be a usage error

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import cgcompile
 from cgcompile.runtime import bank_policy
+from tests.bank_run import moe_bank_run
 from tests.models import MODELS
 
 # whole-layer mode: mlp() below is one captured partition (its small runs join across the layer cuts)
@@ -120,31 +121,6 @@ class TestSizesThatDoNotRepeat(expecttest.TestCase):
         self.assertEqual(len([m for m in logs.output if "stops capturing" in m]), 1)
         self.assertEqual(len(cgcompile.stats()["graphs"]), 2)
         self.assertExpectedInline(row["stopped"], """7 of the 8 input sizes judged so far came once and not again: its input sizes do not repeat (e.g. rows selected by nonzero before a graph break); new sizes run eagerly, the graphs it has keep replaying. Fix: dynamic_padding='buckets' (or 'max') with torch._dynamo.config.capture_dynamic_output_shape_ops=True when the sizes come from nonzero or a boolean mask, or capture_sizes=[...] when they are a batch dimension.""")
-
-
-MOE = MODELS["moe_mask"]
-
-
-def moe_bank_run(steps: int, checkpoints, device: str = "cpu", driver: str = "emulate") -> dict:
-    """The issue's run: tests' MoE, default options, 512 new tokens every step, SGD. Per checkpoint step: bytes
-    held by live graphs, bytes of the graphs that step used, the live labels, and (CUDA) memory allocated."""
-    model = MOE.make(num_layers=2).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    run = compiled(model, driver=driver, cuda_graph_warmup_steps=3)  # the default warmup
-    seen, found = {}, {}
-    size = lambda g: g["static_input_bytes"] + g["static_output_bytes"] + g["pool_bytes"]  # noqa: E731
-    for i in range(steps):
-        (tokens,) = MOE.example_inputs(batch=8, seq=64, seed=i, device=device)
-        MOE.loss(run, tokens).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        graphs = {g["label"]: g for g in cgcompile.stats()["graphs"]}
-        used = [g for label, g in graphs.items() if g["replays"] != seen.get(label)]
-        seen = {label: g["replays"] for label, g in graphs.items()}
-        if i + 1 in checkpoints:
-            allocated = torch.cuda.memory_allocated() if device == "cuda" else 0
-            found[i + 1] = (sum(map(size, graphs.values())), sum(map(size, used)), list(graphs), allocated)
-    return found
 
 
 def test_moe_with_new_sizes_every_step_holds_memory_that_does_not_grow():

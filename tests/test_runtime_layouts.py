@@ -11,26 +11,9 @@ import torch
 
 import cgcompile
 from cgcompile.runtime.layout import broadcast_core, copy_into, static_copy, uncopyable_reason
+from tests.layout_cases import CASES, add_positions, on_device
 
 OPTIONS = {"driver": "emulate", "cuda_graph_warmup_steps": 1}
-
-
-def scale_rows(pos, x):
-    return (pos[:, None].float() * 0.5 + 1).expand(-1, 4), x * 2  # the first output: a stride-0 view
-
-
-def add_positions(x, position_ids):
-    return torch.sin(x + position_ids).cos() * 3
-
-
-CASES = {
-    "expanded output": (scale_rows, lambda step: (torch.arange(3) + step, torch.randn(3, 4))),
-    "stride-0 input": (add_positions, lambda step: (torch.randn(2, 1), torch.tensor([[5 + step]]).expand(2, 1))),
-    "expanded 2-d input": (add_positions, lambda step: (torch.randn(3, 4), torch.randn(4).expand(3, 4))),
-    "transposed input": (add_positions, lambda step: (torch.randn(4, 3).T, torch.randn(3, 4))),
-    "storage offset": (add_positions, lambda step: (torch.randn(10)[2:6], torch.randn(4))),
-    "empty input": (add_positions, lambda step: (torch.randn(0, 4), torch.randn(0, 4))),
-}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -48,6 +31,19 @@ def test_any_layout_replays_like_eager(case):
     st = cgcompile.stats()
     assert st["eager_fallbacks"] == [], st["eager_fallbacks"]
     assert st["graphs_captured"] >= 1 and st["replays"] >= 2, case
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cases_reach_another_device_with_the_layout_they_name(case):
+    """The GPU twin moves each case with on_device; `.cuda()` would drop the storage offset (and copy a stride-0
+    input out in full), testing a plain contiguous input instead. The meta device shows the layout on the CPU."""
+    for arg in CASES[case][1](0):
+        moved = on_device(arg, "meta")
+        assert moved.device.type == "meta"
+        assert (moved.shape, moved.stride(), moved.storage_offset()) == (arg.shape, arg.stride(),
+                                                                          arg.storage_offset())
+    if case == "storage offset":
+        assert CASES[case][1](0)[0].storage_offset() == 2
 
 
 def test_expanded_static_buffer_keeps_its_strides_and_takes_new_values_once():
@@ -79,8 +75,8 @@ class TestUncopyableInputWording(expecttest.TestCase):
             assert torch.equal(got, want)
             got.sum().backward()
         [fallback] = cgcompile.stats()["eager_fallbacks"]
-        reason = re.sub(r"test_runtime_layouts.py:\d+", "test_runtime_layouts.py:N", fallback["reason"])
+        reason = re.sub(r"layout_cases.py:\d+", "layout_cases.py:N", fallback["reason"])
         self.assertExpectedInline(reason, """\
-capturing its forward graph failed: CaptureError: argument `position_ids` (read at test_runtime_layouts.py:N) \
+capturing its forward graph failed: CaptureError: argument `position_ids` (read at layout_cases.py:N) \
 cannot be copied into a static buffer: its memory overlaps itself (strides (1, 1) for shape (3, 3), e.g. from \
 as_strided or unfold), which no static buffer can mirror; pass .contiguous() there""")

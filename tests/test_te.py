@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import cgcompile
-from cgcompile.runtime.te import emulated_make_graphed_callables
+from cgcompile.runtime.te_emulation import emulated_make_graphed_callables
 from cgcompile import reset_stats, stats
 from tests.models import MODELS
 from tests.parity import assert_step_matches_eager
@@ -51,7 +51,7 @@ def test_graphed_partitions_train_like_eager(name):
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
     assert calls == [(2, {"num_warmup_iters": 2})]  # all captured partitions of the frame at once, TE args passed
-    assert stats()["replays"] > 0
+    assert stats()["graphs_captured"] == 4 and stats()["eager_fallbacks"] == []  # 2 x (forward, backward)
 
 
 def test_failing_graphing_falls_back_to_eager_once_with_a_logged_reason(caplog):
@@ -131,3 +131,109 @@ def test_parameter_samples_are_fresh_leaves_on_the_parameters_memory():
         param = params[sample.data_ptr()]
         assert sample is not param and sample.is_leaf and sample.requires_grad
         assert _grad_accumulator(sample) is not _grad_accumulator(param)
+
+
+def _te_frame(name="dense_gpt", graphing_fn=emulated_make_graphed_callables):
+    spec = MODELS[name]
+    model = spec.make()
+    reference = copy.deepcopy(model)
+    options = te_options(spec, graphing_fn=graphing_fn, num_warmup_iters=1)
+    return spec, model, reference, torch.compile(model, backend="cudagraph_modules", options=options)
+
+
+def test_outputs_kept_across_calls_are_not_overwritten():
+    """A graphed callable returns the same static output tensors every call; the frame's outputs living there
+    are cloned, so an output kept from one call still holds its values after the next calls."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    reference = copy.deepcopy(model)
+    options = {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": [], "cuda_graph_warmup_steps": 1,
+               "te": {"graphing_fn": emulated_make_graphed_callables, "num_warmup_iters": 1}}
+    compiled = torch.compile(model, backend="cudagraph_modules", options=options)
+    reset_stats()
+    batches = [torch.randn(4, 8, requires_grad=True) for _ in range(5)]
+    kept = [(compiled(x), reference(x)) for x in batches]
+    assert stats()["graphs_captured"] == 2 and stats()["eager_fallbacks"] == []
+    for got, want in kept:
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    kept[-1][0].sum().backward()  # a clone passes gradients through
+    kept[-1][1].sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_gradients_accumulate_over_micro_batches_like_eager():
+    """The graphed backward returns static gradient buffers; autograd would keep one as a parameter's .grad (it
+    does when .grad is None, i.e. after zero_grad()), which the next micro-batch's replays overwrite.
+    fwd, bwd, fwd, bwd per step, then step and zero_grad."""
+    spec, model, reference, compiled = _te_frame()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    reset_stats()
+    for step in range(5):
+        for micro in range(2):
+            (tokens,) = spec.example_inputs(seed=10 * step + micro)
+            spec.loss(compiled, tokens).backward()
+            spec.loss(reference, tokens).backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert stats()["graphs_captured"] == 4 and stats()["eager_fallbacks"] == []
+
+
+def test_graphing_under_autocast_with_its_weight_cache():
+    """make_graphed_callables refuses an active autocast whose cache is on (autocast's default): the frame graphs
+    with the cache off instead of running eagerly for good."""
+    spec, model, reference, compiled = _te_frame()
+    reset_stats()
+    for step in range(5):
+        (tokens,) = spec.example_inputs(seed=step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, ref = spec.loss(compiled, tokens), spec.loss(reference, tokens)
+            assert torch.is_autocast_cache_enabled()
+        loss.backward(), ref.backward()
+        torch.testing.assert_close(loss, ref)
+        model.zero_grad(), reference.zero_grad()
+    assert stats()["eager_fallbacks"] == [] and stats()["graphs_captured"] == 4
+
+
+def test_release_runs_the_partitions_eagerly_and_graphs_them_again():
+    """Graphing replaces a module callable's forward: the split submodules must not be those modules, or after
+    release() the 'eager' partitions would still replay the old graphs (and graphing again would graph them)."""
+    handed = []
+
+    def graphing_fn(callables, sample_args, **kwargs):
+        handed.append([c for c in callables if "forward" in vars(c)])  # a forward a previous graphing replaced
+        return emulated_make_graphed_callables(callables, sample_args, **kwargs)
+
+    spec, model, reference, compiled = _te_frame(graphing_fn=graphing_fn)
+    reset_stats()
+    for step in range(8):
+        if step == 4:
+            cgcompile.release()
+        assert_step_matches_eager(spec, compiled, model, reference, spec.example_inputs(seed=step)[0])
+        model.zero_grad(), reference.zero_grad()
+    assert stats()["graphs_captured"] == 8 and stats()["eager_fallbacks"] == []
+    assert handed == [[], []]  # graphed twice, each time modules no graphing had touched
+
+
+def test_the_emulation_keeps_make_graphed_callables_contract():
+    """One static instance: outputs and gradients are the same static tensors every call, a second forward before
+    the first backward leaves both backwards with the latest forward's gradients, autocast's cache is refused."""
+    weight = torch.nn.Parameter(torch.randn(3, 3))
+    x = torch.randn(2, 3, requires_grad=True)
+    graphed = emulated_make_graphed_callables(lambda a, w: a @ w, (x.detach().clone().requires_grad_(), weight),
+                                              num_warmup_iters=1)
+    a, b = torch.randn(2, 3, requires_grad=True), torch.randn(2, 3, requires_grad=True)
+    out_a = graphed(a, weight)
+    out_b = graphed(b, weight)
+    assert out_a.data_ptr() == out_b.data_ptr()  # the first output now holds the second call's values
+    torch.testing.assert_close(out_a, b @ weight)
+    grad_a, = torch.autograd.grad(out_a.sum(), a)
+    grad_b, = torch.autograd.grad(out_b.sum(), b)
+    torch.testing.assert_close(grad_a, grad_b)
+    w_first, = torch.autograd.grad(graphed(a, weight).sum(), weight)
+    w_second, = torch.autograd.grad(graphed(b, weight).sum(), weight)
+    assert w_first.data_ptr() == w_second.data_ptr()  # the parameter's gradient is one static buffer
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError, match="autocast caching"):
+        emulated_make_graphed_callables(lambda a: a * 2, (x,))

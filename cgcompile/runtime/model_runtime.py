@@ -21,7 +21,7 @@ from .. import _compat
 from ..counters import add as count, reuse
 from . import release as releases
 from .driver import Driver
-from .drivers import EagerDriver, get_driver
+from .drivers import EagerDriver, captures_on, get_driver
 from .arena import OutputArena
 from .graph import GraphInstance, storage_ptr
 
@@ -53,8 +53,8 @@ class ModelRuntime:
 
     def __init__(self, config: Any, device: Any):
         self.config = config
-        self.device = torch.device(device)
-        self.driver: Driver = get_driver(str(config.driver), self.device)
+        self.driver: Driver = get_driver(str(config.driver), device)
+        self.device = getattr(self.driver, "device", None) or torch.device(device)  # cuda: with its index
         self._owners: Dict[int, Any] = {}  # storage data_ptr -> graph (or output arena) owning that memory
         self._pooled: List[Optional[GraphInstance]] = []  # graphs in capture order (None: discarded)
         self._in_flight: List[int] = []  # sorted pool positions of graphs replayed and not found free since
@@ -152,9 +152,9 @@ class ModelRuntime:
     # internal -------------------------------------------------------------------------------------------
 
     def driver_for(self, example_inputs: Sequence[Any]) -> Driver:
-        """The runtime's driver, or eager for a partition without a CUDA tensor under the cuda driver."""
-        if self.driver.name == "cuda" and not any(
-                isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs):
+        """The runtime's driver, or eager for a partition the cuda driver cannot capture: no CUDA tensor, or
+        CUDA tensors on another device than the runtime's (drivers.captures_on)."""
+        if self.driver.name == "cuda" and not captures_on(self.device, example_inputs):
             return _EAGER
         return self.driver
 

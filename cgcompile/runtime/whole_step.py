@@ -19,7 +19,7 @@ from .. import _compat, counters
 from ..errors import ConfigError
 from . import bank_policy
 from .driver import Driver
-from .drivers import get_driver
+from .drivers import device_of, get_driver
 from .optimizer_values import OptimizerValues, changed_value
 from .host_sync import host_sync_reason
 from .release import register
@@ -106,8 +106,7 @@ class CapturedStep:
 
     def _driver_for(self, args: Sequence[Any]) -> Driver:
         if self._driver is None:
-            device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-            self._driver = get_driver(self.driver_name, device)
+            self._driver = get_driver(self.driver_name, device_of(args))
             self._pool = self._driver.new_pool()
         return self._driver
 

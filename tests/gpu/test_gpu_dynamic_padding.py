@@ -13,7 +13,7 @@ import torch
 from cgcompile import reset_stats, stats
 from cgcompile.profiling import HostOpCounter
 from tests.models import MODELS
-from tests.test_dynamic_padding import _options, _train_like_eager
+from tests.padding_run import padding_options, train_like_eager
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(600),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -23,7 +23,7 @@ def _compiled(name, mode, **extra):
     spec = MODELS[name]
     model = spec.make().cuda()
     reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="cudagraph_modules", options=_options(mode, driver="cuda", **extra))
+    compiled = torch.compile(model, backend="cudagraph_modules", options=padding_options(mode, driver="cuda", **extra))
     return spec, model, compiled, reference
 
 
@@ -33,7 +33,7 @@ def test_cuda_padded_experts_train_like_eager(name, mode):
     with torch._dynamo.config.patch(MODELS[name].dynamo_flags()):
         spec, model, compiled, reference = _compiled(name, mode)
         reset_stats()
-        _train_like_eager(spec, model, compiled, reference, device="cuda", scale=10.0)
+        train_like_eager(spec, model, compiled, reference, device="cuda", scale=10.0)
     st = stats()
     assert st["replays"] > 0 and st["eager_fallbacks"] == [], st["eager_fallbacks"]
 
@@ -53,6 +53,6 @@ def test_cuda_full_iteration_with_max_captures_the_moe_step_whole():
     with torch._dynamo.config.patch(MODELS["moe_mask"].dynamo_flags()):
         spec, model, compiled, reference = _compiled("moe_mask", "max", cuda_graph_impl="full_iteration")
         reset_stats()
-        _train_like_eager(spec, model, compiled, reference, steps=4, device="cuda", scale=10.0)
+        train_like_eager(spec, model, compiled, reference, steps=4, device="cuda", scale=10.0)
     st = stats()
     assert st["graphs_captured"] == 2 and st["eager_fallbacks"] == []  # one forward graph, one backward graph

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cgcompile
-from tests.test_graph_bank import moe_bank_run
+from tests.bank_run import moe_bank_run
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -49,6 +49,61 @@ def test_te_adapter_through_torch_make_graphed_callables():
     assert cgcompile.stats()["eager_fallbacks"] == []
 
 
+def _te_sequential(device="cuda"):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)).to(device)
+    options = {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": [], "cuda_graph_warmup_steps": 1,
+               "te": {"graphing_fn": torch.cuda.make_graphed_callables, "num_warmup_iters": 3}}
+    return model, copy.deepcopy(model), torch.compile(model, backend="cudagraph_modules", options=options)
+
+
+def test_te_outputs_kept_across_calls_and_grads_accumulated_over_micro_batches():
+    """make_graphed_callables returns static outputs and static gradient buffers: kept outputs must survive the
+    next calls (cloned), and two micro-batches per step must accumulate like eager (grads copied out)."""
+    model, reference, compiled = _te_sequential()
+    cgcompile.reset_stats()
+    kept = []
+    for step in range(4):
+        for micro in range(2):
+            x = torch.randn(8, 64, device=DEV, requires_grad=True)
+            out, expected = compiled(x), reference(x)
+            kept.append((out, expected.detach()))
+            out.square().mean().backward()
+            expected.square().mean().backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        model.zero_grad(), reference.zero_grad()
+    for out, expected in kept:
+        torch.testing.assert_close(out.detach(), expected)
+    st = cgcompile.stats()
+    assert st["graphs_captured"] == 2 and st["eager_fallbacks"] == [], st
+
+
+def test_te_graphs_under_autocast_with_its_cache_on():
+    model, reference, compiled = _te_sequential()
+    cgcompile.reset_stats()
+    for step in range(4):
+        x = torch.randn(8, 64, device=DEV)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, ref = compiled(x).float().square().mean(), reference(x).float().square().mean()
+        loss.backward(), ref.backward()
+        torch.testing.assert_close(loss, ref, rtol=2e-2, atol=2e-2)
+        model.zero_grad(), reference.zero_grad()
+    st = cgcompile.stats()
+    assert st["graphs_captured"] == 2 and st["eager_fallbacks"] == [], st
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_te_graphs_on_the_models_device():
+    model, reference, compiled = _te_sequential("cuda:1")
+    cgcompile.reset_stats()
+    with torch.cuda.device(0):
+        for step in range(4):
+            x = torch.randn(8, 64, device="cuda:1")
+            torch.testing.assert_close(compiled(x), reference(x))
+    assert cgcompile.stats()["graphs_captured"] == 2 and cgcompile.stats()["eager_fallbacks"] == []
+
+
 def test_full_iteration_dense_is_one_graph_pair():
     spec, model, reference = twins()
     cgcompile.reset_stats()
