@@ -22,6 +22,7 @@ from . import release as releases
 from .driver import Driver, EagerDriver, get_driver
 from .arena import OutputArena
 from .graph import GraphInstance, storage_ptr
+from .subclasses import inner_tensors
 
 log = logging.getLogger("cgcompile")
 
@@ -65,8 +66,10 @@ class ModelRuntime:
     # public ---------------------------------------------------------------------------------------------
 
     def is_static(self, t: Any) -> bool:
-        """Does `t` alias memory owned by one of our graphs (a static output or a static input buffer)?"""
-        return isinstance(t, torch.Tensor) and bool(self._owners) and storage_ptr(t) in self._owners
+        """Does `t` alias memory owned by one of our graphs (a static output or a static input buffer)? A wrapper
+        (DTensor) does when one of its inner tensors does."""
+        return isinstance(t, torch.Tensor) and bool(self._owners) and any(
+            storage_ptr(inner) in self._owners for inner in inner_tensors(t))
 
     def finish_frame_outputs(self, outputs: Any) -> Any:
         """Clone the frame outputs that alias static memory (when config.clone_outputs), so the next replay
