@@ -66,7 +66,8 @@ def is_collective(node: fx.Node) -> bool:
     if namespace is not None:
         return namespace in _NAMESPACES
     module = getattr(node.target, "__module__", "") or ""
-    return module.startswith("torch.distributed")
+    # DTensor's API (from_local, ...) is not a collective; its redistributions are read by dtensor.py
+    return module.startswith("torch.distributed") and not module.startswith("torch.distributed.tensor")
 
 
 def is_wait(node: fx.Node) -> bool:
