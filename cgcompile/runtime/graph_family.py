@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
 from .. import _compat
 from ..counters import record
+from ..passes.collectives import collective_counts
 from . import bank_policy
 from .arena import OutputLayout, output_layouts
 from .global_state import preserved_global_state
@@ -35,12 +36,14 @@ log = logging.getLogger("cgcompile")
 class GraphFamily:
     """The captured instances of one aot graph (forward, backward or inference) of one bank entry."""
 
-    def __init__(self, entry: "BankEntry", kind: str, run: Callable[[list], Any], mutated: frozenset):
+    def __init__(self, entry: "BankEntry", kind: str, run: Callable[[list], Any], mutated: frozenset,
+                 collectives: Optional[Dict[str, int]] = None):
         self.entry = entry
         self.part = entry.part
         self.kind = kind
         self.run = run  # the uncaptured graph (aot graph, or Inductor's compiled version)
         self.mutated = mutated  # inputs the graph itself writes (Inductor keeps some input mutations)
+        self.collectives = collectives or {}  # the c10d collectives the graph runs, e.g. DTensor's (stats()["graphs"])
         self.calls = 0
         self.graphs: List[GraphInstance] = []  # forward/inference instances
         self.layouts: Optional[List[OutputLayout]] = None  # its outputs' layouts, seen in an eager run (arenas)
@@ -220,7 +223,7 @@ class BankEntry:
 
     def _runner(self, kind: str, run: Callable[[list], Any], gm: fx.GraphModule) -> Callable[[list], Any]:
         """Called by aot for each graph it compiles: what aot runs instead of it."""
-        family = GraphFamily(self, kind, run, mutated_inputs(gm))
+        family = GraphFamily(self, kind, run, mutated_inputs(gm), collective_counts(gm))
         setattr(self, kind, family)
 
         def run_family(args: list) -> Any:

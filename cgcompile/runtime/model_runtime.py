@@ -112,10 +112,11 @@ class ModelRuntime:
         self.driver.release()
 
     def graph_memory(self) -> List[Dict[str, Any]]:
-        """Per live graph: its partition, unique label, kind, replays, the pool bytes its capture reserved (CUDA
-        only), and the bytes of the static input buffers and outputs it owns (what it keeps between calls)."""
-        return [{"partition": g.partition, "label": g.label, "kind": g.kind, "replays": g.replays, **g.memory()}
-                for g in self.live_graphs()]
+        """Per live graph: its partition, unique label, kind, replays, the collectives it runs (by name and count),
+        the pool bytes its capture reserved (CUDA only), and the bytes of the static input buffers and outputs it
+        owns (what it keeps between calls)."""
+        return [{"partition": g.partition, "label": g.label, "kind": g.kind, "replays": g.replays,
+                 "collectives": dict(g.owner.collectives), **g.memory()} for g in self.live_graphs()]
 
     def partition_stats(self) -> List[Dict[str, Any]]:
         """Per partition that ran since it was created or released: its frame and graph-bank accounting
