@@ -39,44 +39,6 @@ pytestmark = [
 
 # ---- worker (runs in the spawned processes) -------------------------------------------------------------
 
-def _fresh():
-    import cgcompile
-
-    cgcompile.reset_stats()
-    torch._dynamo.reset()
-
-
-def _tp_run(mesh, sequence_parallel, driver="emulate", device="cpu"):
-    """Eager and compiled TP GPT side by side; plus the unsharded model's losses on the same tokens (the TP math)."""
-    from tests.models import tp_gpt
-
-    _fresh()
-    eager, model = (tp_gpt.parallelize(tp_gpt.build().to(device), mesh, sequence_parallel) for _ in range(2))
-    compiled = torch.compile(model, backend="cudagraph_modules", options=tp_steps.options(driver, "attn", "mlp"))
-    batches = [tp_gpt.example_inputs(seed=step, device=device)[0] for step in range(tp_steps.STEPS)]
-    result = tp_steps.train(eager, model, compiled, batches, tp_gpt.loss)
-    full = tp_gpt.build().to(device)
-    with torch.no_grad():
-        result["unsharded_loss_diff"] = max(abs(tp_gpt.loss(full, b).item() - s["loss"])
-                                            for b, s in zip(batches, result["steps"]))
-    result["q_shard"] = list(tp_steps.local(model.layers[0].attn.q.weight).shape)
-    return result
-
-
-def _tp_ep_run(mesh, driver="emulate", device="cpu"):
-    """Attention tensor-parallel with sequence parallel norms, the MLPs the expert-parallel MoE over the same ranks."""
-    from tests.models import tp_gpt
-
-    _fresh()
-    group = mesh.get_group()
-    eager, model = (tp_gpt.parallelize(tp_gpt.build(expert_group=group).to(device), mesh, True) for _ in range(2))
-    compiled = torch.compile(model, backend="cudagraph_modules",
-                             options=tp_steps.options(driver, "attn", "moe_router", "moe_preprocess"))
-    batches = [tp_gpt.example_inputs(seed=step, device=device)[0] for step in range(tp_steps.STEPS)]
-    with torch._dynamo.config.patch(capture_scalar_outputs=True):  # the dispatch's .tolist() traced: one island
-        return tp_steps.train(eager, model, compiled, batches, tp_gpt.loss)
-
-
 def _dtensor_output(mesh):
     """A compiled block whose output is a DTensor in graph memory (RowwiseParallel(use_local_output=False)): every
     output held across later replays must keep its value."""
@@ -84,7 +46,7 @@ def _dtensor_output(mesh):
 
     from tests.models._common import seeded
 
-    _fresh()
+    tp_steps.fresh()
     with seeded(0):
         block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
     parallelize_module(block, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel(use_local_output=False)})
@@ -112,7 +74,7 @@ def _data_dependent_plan(mesh):
             rows = DTensor.from_local(self.lin(x[x[:, 0] > 0]), mesh, [Shard(0)], run_check=False)
             return rows.redistribute(mesh, [Replicate()]).to_local().sum() + self.lin(x).sum()  # GATHER
 
-    _fresh()
+    tp_steps.fresh()
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))  # the same rows on every rank
         plan = cgcompile.explain(Gather(), x, options=tp_steps.options("emulate"))
@@ -138,7 +100,7 @@ def _fsdp_tp_run(rank):
             fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=False)
         return fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
 
-    _fresh()
+    tp_steps.fresh()
     eager, model = sharded(), sharded()
     compiled = torch.compile(model, backend="cudagraph_modules", options=tp_steps.options("emulate", "attn", "mlp"))
     opts = [torch.optim.SGD(m.parameters(), lr=tp_steps.LR) for m in (eager, model)]
@@ -158,8 +120,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         if world == 2:
             mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-            result = {"tp": _tp_run(mesh, False), "sp": _tp_run(mesh, True), "tp_ep": _tp_ep_run(mesh),
-                      "dtensor_output": _dtensor_output(mesh), "data_dependent": _data_dependent_plan(mesh)}
+            result = {"tp": tp_steps.tp_run(mesh, False), "sp": tp_steps.tp_run(mesh, True),
+                      "tp_ep": tp_steps.tp_ep_run(mesh), "dtensor_output": _dtensor_output(mesh),
+                      "data_dependent": _data_dependent_plan(mesh)}
         else:
             result = {"fsdp_tp": _fsdp_tp_run(rank)}
         import cgcompile
@@ -303,7 +266,7 @@ def test_redistribution_of_data_dependent_rows_is_an_eager_collective(two):
     assert found["line"], found
     assert_expected_inline(found["reason"], """\
 collective: Tensor.redistribute: DTensor redistribution (all_gather over tp) of a tensor whose shape depends on tensor data (u0)
-hint: keep the sharded dimension's size static (pad rows to a fixed capacity), or leave the redistribution eager""")
+hint: give the redistributed tensor a static shape (pad the selected rows to a fixed capacity, e.g. with torch.nonzero_static), or accept the redistribution running eagerly""")
 
 
 if __name__ == "__main__":

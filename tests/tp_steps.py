@@ -3,6 +3,8 @@ GPU twin (tests/gpu/test_gpu_tensor_parallel.py, NCCL, cuda driver) share. They 
 and return JSON-able results: per step the eager TP model's loss and how far the compiled copy's loss and local
 gradients are from it; the cgcompile counters at the end of warmup and at the end; per captured graph the collectives
 it runs and its replays; the plans' DTensor redistribution tables.
+
+`tp_run` (TP, or TP with sequence parallel) and `tp_ep_run` (TP x EP) are the scenarios on a 1-D mesh.
 """
 
 from __future__ import annotations
@@ -12,6 +14,14 @@ import torch
 STEPS = 4
 WARMUP_STEPS = 2  # step 1 compiles and warms up, step 2 captures (cuda_graph_warmup_steps=1)
 LR = 0.1
+
+
+def fresh() -> None:
+    """Counters and Dynamo's caches start over (which releases the graphs of the run before)."""
+    import cgcompile
+
+    cgcompile.reset_stats()
+    torch._dynamo.reset()
 
 
 def options(driver: str, *modules: str) -> dict:
@@ -66,3 +76,34 @@ def train(eager, model, compiled, batches, loss_fn, optimizers=None) -> dict:
     return {"steps": steps, "warm": warm, "end": counters(),
             "plans": [format_redistributions(g) for g in plans.graphs],
             "kinds": [[p.kind for p in g.partitions] for g in plans.graphs]}
+
+
+def tp_run(mesh, sequence_parallel, driver="emulate", device="cpu"):
+    """Eager and compiled TP GPT side by side; plus the unsharded model's losses on the same tokens (the TP math)."""
+    from tests.models import tp_gpt
+
+    fresh()
+    eager, model = (tp_gpt.parallelize(tp_gpt.build().to(device), mesh, sequence_parallel) for _ in range(2))
+    compiled = torch.compile(model, backend="cudagraph_modules", options=options(driver, "attn", "mlp"))
+    batches = [tp_gpt.example_inputs(seed=step, device=device)[0] for step in range(STEPS)]
+    result = train(eager, model, compiled, batches, tp_gpt.loss)
+    full = tp_gpt.build().to(device)
+    with torch.no_grad():
+        result["unsharded_loss_diff"] = max(abs(tp_gpt.loss(full, b).item() - s["loss"])
+                                            for b, s in zip(batches, result["steps"]))
+    result["q_shard"] = list(local(model.layers[0].attn.q.weight).shape)
+    return result
+
+
+def tp_ep_run(mesh, driver="emulate", device="cpu"):
+    """Attention tensor-parallel with sequence parallel norms, the MLPs the expert-parallel MoE over the same ranks."""
+    from tests.models import tp_gpt
+
+    fresh()
+    group = mesh.get_group()
+    eager, model = (tp_gpt.parallelize(tp_gpt.build(expert_group=group).to(device), mesh, True) for _ in range(2))
+    compiled = torch.compile(model, backend="cudagraph_modules",
+                             options=options(driver, "attn", "moe_router", "moe_preprocess"))
+    batches = [tp_gpt.example_inputs(seed=step, device=device)[0] for step in range(STEPS)]
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):  # the dispatch's .tolist() traced: one island
+        return train(eager, model, compiled, batches, tp_gpt.loss)
