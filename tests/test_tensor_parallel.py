@@ -216,22 +216,22 @@ def test_plan_shows_each_redistribution_and_where_it_runs(two):
     assert_expected_inline(two[0]["tp"]["plans"][0], """\
 DTensor redistributions (their collectives run in the partition's forward graph, the gradients' in its backward graph):
 id  kind     collective          placements                 module             at
- 1  capture  all_reduce over tp  Partial(sum) -> Replicate  layers.0.attn.o    tp_gpt.py:61
- 1  capture  all_reduce over tp  Partial(sum) -> Replicate  layers.0.mlp.down  tp_gpt.py:72
- 2  capture  all_reduce over tp  Partial(sum) -> Replicate  layers.1.attn.o    tp_gpt.py:61
- 2  capture  all_reduce over tp  Partial(sum) -> Replicate  layers.1.mlp.down  tp_gpt.py:72""")
+ 1  capture  all_reduce over tp  Partial(sum) -> Replicate  layers.0.attn.o    tp_gpt.py:52
+ 1  capture  all_reduce over tp  Partial(sum) -> Replicate  layers.0.mlp.down  tp_gpt.py:63
+ 2  capture  all_reduce over tp  Partial(sum) -> Replicate  layers.1.attn.o    tp_gpt.py:52
+ 2  capture  all_reduce over tp  Partial(sum) -> Replicate  layers.1.mlp.down  tp_gpt.py:63""")
     assert_expected_inline(two[0]["sp"]["plans"][0], """\
 DTensor redistributions (their collectives run in the partition's forward graph, the gradients' in its backward graph):
 id  kind     collective              placements                module             at
- 1  capture  all_gather over tp      Shard(1) -> Replicate     layers.0.attn      tp_gpt.py:97
- 1  capture  reduce_scatter over tp  Partial(sum) -> Shard(1)  layers.0.attn.o    tp_gpt.py:61
- 1  capture  all_gather over tp      Shard(1) -> Replicate     layers.0.mlp       tp_gpt.py:98
- 1  capture  reduce_scatter over tp  Partial(sum) -> Shard(1)  layers.0.mlp.down  tp_gpt.py:72
- 2  capture  all_gather over tp      Shard(1) -> Replicate     layers.1.attn      tp_gpt.py:97
- 2  capture  reduce_scatter over tp  Partial(sum) -> Shard(1)  layers.1.attn.o    tp_gpt.py:61
- 2  capture  all_gather over tp      Shard(1) -> Replicate     layers.1.mlp       tp_gpt.py:98
- 2  capture  reduce_scatter over tp  Partial(sum) -> Shard(1)  layers.1.mlp.down  tp_gpt.py:72
- 2  capture  all_gather over tp      Shard(1) -> Replicate     layers.1           tp_gpt.py:115""")
+ 1  capture  all_gather over tp      Shard(1) -> Replicate     layers.0.attn      tp_gpt.py:88
+ 1  capture  reduce_scatter over tp  Partial(sum) -> Shard(1)  layers.0.attn.o    tp_gpt.py:52
+ 1  capture  all_gather over tp      Shard(1) -> Replicate     layers.0.mlp       tp_gpt.py:89
+ 1  capture  reduce_scatter over tp  Partial(sum) -> Shard(1)  layers.0.mlp.down  tp_gpt.py:63
+ 2  capture  all_gather over tp      Shard(1) -> Replicate     layers.1.attn      tp_gpt.py:88
+ 2  capture  reduce_scatter over tp  Partial(sum) -> Shard(1)  layers.1.attn.o    tp_gpt.py:52
+ 2  capture  all_gather over tp      Shard(1) -> Replicate     layers.1.mlp       tp_gpt.py:89
+ 2  capture  reduce_scatter over tp  Partial(sum) -> Shard(1)  layers.1.mlp.down  tp_gpt.py:63
+ 2  capture  all_gather over tp      Shard(1) -> Replicate     layers.1           tp_gpt.py:106""")
 
 
 def test_tp_with_expert_parallel_keeps_the_dispatch_eager(two):
@@ -244,11 +244,11 @@ def test_tp_with_expert_parallel_keeps_the_dispatch_eager(two):
         assert_expected_inline(run["plans"][0], """\
 DTensor redistributions (their collectives run in the partition's forward graph, the gradients' in its backward graph):
 id  kind     collective              placements                module           at
- 1  capture  all_gather over tp      Shard(1) -> Replicate     layers.0.attn    tp_gpt.py:97
- 1  capture  reduce_scatter over tp  Partial(sum) -> Shard(1)  layers.0.attn.o  tp_gpt.py:61
- 3  capture  all_gather over tp      Shard(1) -> Replicate     layers.1.attn    tp_gpt.py:97
- 3  capture  reduce_scatter over tp  Partial(sum) -> Shard(1)  layers.1.attn.o  tp_gpt.py:61
- 4  eager    all_gather over tp      Shard(1) -> Replicate     layers.1         tp_gpt.py:115""")
+ 1  capture  all_gather over tp      Shard(1) -> Replicate     layers.0.attn    tp_gpt.py:88
+ 1  capture  reduce_scatter over tp  Partial(sum) -> Shard(1)  layers.0.attn.o  tp_gpt.py:52
+ 3  capture  all_gather over tp      Shard(1) -> Replicate     layers.1.attn    tp_gpt.py:88
+ 3  capture  reduce_scatter over tp  Partial(sum) -> Shard(1)  layers.1.attn.o  tp_gpt.py:52
+ 4  eager    all_gather over tp      Shard(1) -> Replicate     layers.1         tp_gpt.py:106""")
 
 
 def test_dtensor_output_in_graph_memory_is_copied_out(two):

@@ -24,20 +24,11 @@ import torch.nn.functional as F
 import cgcompile
 
 from ._common import MAX_SEQ, VOCAB, lm_loss, seeded, token_inputs
+from .moe import RMSNorm
 
 D_MODEL = 32
 N_HEADS = 4
 HIDDEN = 64
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
 @cgcompile.tag("attn")
