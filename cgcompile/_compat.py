@@ -14,14 +14,15 @@ import torch
 __all__ = ["FsdpParam", "TorchDispatchMode", "aot_compile", "boxed", "copy_all", "cuda_end_allocate_to_pool",
            "cuda_release_pool", "AddressCheck", "at_backward_end", "storage_weak_ref",
            "dynamo_frame", "fsdp2_keep_unsharded", "fsdp2_params", "fsdp2_restore_free", "functorch_level",
-           "generator_capture_state_outlives_failure", "is_unregistered_generator_error", "pop_functorch_level",
+           "generator_capture_state_outlives_failure", "is_unregistered_generator_error", "is_wrapper_subclass", "pop_functorch_level",
            "resolve_overload", "storage_key", "storage_use_count", "tree_flatten", "tree_unflatten"]
 
 # torch.utils._pytree: the pytree helpers torch.compile itself uses; private module, stable API; checked 2.11, 2.13.
 from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: E402
 
 # torch.utils._python_dispatch.TorchDispatchMode: a private module, stable since 1.13; checked 2.11, 2.13.
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+# is_traceable_wrapper_subclass from the same module: see is_wrapper_subclass.
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass  # noqa: E402
 
 
 def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
@@ -91,6 +92,15 @@ def storage_key(t: torch.Tensor) -> tuple[int, int]:
     if storage.nbytes() == 0:
         return 0, 0
     return storage.data_ptr(), storage._cdata
+
+
+def is_wrapper_subclass(t: Any) -> bool:
+    """Is t a traceable wrapper tensor subclass (DTensor, torchao's float8 / NF4 tensors): a tensor with no memory
+    of its own whose data lives in the inner tensors `t.__tensor_flatten__()` names, which aot_autograd hands
+    the compiled graphs in its place? torch.utils._python_dispatch.is_traceable_wrapper_subclass, the predicate
+    aot_autograd's subclass flattening uses (private module; run on 2.13; the same function and protocol in the
+    torch source since 2.1, not run on 2.11)."""
+    return is_traceable_wrapper_subclass(t)
 
 
 def storage_use_count(sid: int) -> int:

@@ -70,12 +70,32 @@ def format_table(graph: GraphPlan) -> str:
     rows = [_COLUMNS] + [
         (str(p.id), p.kind, "+".join(p.tags) or "-", p.module or "-", str(p.num_ops), _first_reason(p))
         for p in graph.partitions]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS) - 1)]
+    return "\n".join(_aligned(rows, right=(0, 4)))
+
+
+def _aligned(rows: List[tuple], right: tuple = ()) -> List[str]:
+    """Rows as columns padded to the widest cell (the last column unpadded); `right`: right-aligned columns."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = []
     for row in rows:
-        cells = [row[i].rjust(widths[i]) if i in (0, 4) else row[i].ljust(widths[i]) for i in range(len(widths))]
+        cells = [row[i].rjust(widths[i]) if i in right else row[i].ljust(widths[i]) for i in range(len(widths))]
         lines.append(("  ".join(cells) + "  " + row[-1]).rstrip())
-    return "\n".join(lines)
+    return lines
+
+
+def format_redistributions(graph: GraphPlan) -> str:
+    """The collectives of the graph's DTensor redistributions, one row each, with the partition that runs them
+    ('' when there are none): tensor parallelism's communication, and whether it is captured."""
+    rows = [(str(p.id), p.kind, f"{r.collective} over {r.mesh_dim}", f"{r.source} -> {r.target}", r.module or "-",
+             short_location(r.location)) for p in graph.partitions for r in p.redistributions]
+    if not rows:
+        return ""
+    header = ("DTensor redistributions (their collectives run in the partition's forward graph, the gradients' "
+              "in its backward graph):")
+    return "\n".join([header] + _aligned([_REDISTRIBUTION_COLUMNS] + rows, right=(0,)))
+
+
+_REDISTRIBUTION_COLUMNS = ("id", "kind", "collective", "placements", "module", "at")
 
 
 def capture_sizes_line(graph: GraphPlan, config) -> str:
@@ -101,6 +121,8 @@ def format_plan(plan) -> str:
     for graph in plan.graphs:
         lines.append(summary_line(graph, plan.config))
         lines.append(format_table(graph))
+        if format_redistributions(graph):
+            lines.append(format_redistributions(graph))
         if capture_sizes_line(graph, plan.config):
             lines.append(capture_sizes_line(graph, plan.config))
     if plan.graph_breaks:
@@ -119,7 +141,9 @@ def format_plan(plan) -> str:
 def log_graph_plan(graph: GraphPlan, config) -> None:
     """INFO: summary and table; DEBUG: every finding of every node (not only the first per partition)."""
     if log.isEnabledFor(logging.INFO):
-        log.info("%s\n%s", summary_line(graph, config), format_table(graph))
+        redistributions = format_redistributions(graph)
+        log.info("%s\n%s%s", summary_line(graph, config), format_table(graph),
+                 f"\n{redistributions}" if redistributions else "")
     if graph.batch_padding_refused is not None:
         log.warning("cgcompile: graph %d: %s", graph.index, capture_sizes_line(graph, config))
     if log.isEnabledFor(logging.DEBUG):

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .passes.batch_rows import BatchLayout
 from .passes.common import Finding
+from .passes.dtensor import Redistribution
 
 CAPTURE, EAGER = "capture", "eager"
 LAYER_SCOPE, BLOCK_SCOPE = "layer", "block"
@@ -31,6 +32,8 @@ class Partition:
     # dynamic_padding applied to rows this partition works on: {"mode", "producers", "rows" (static bounds),
     # "buckets" (buckets mode; [] = powers of two)}; None when nothing in it is padded
     padding: Optional[dict] = None
+    # the collectives its DTensor redistributions run in the forward graph (tensor parallelism), in graph order
+    redistributions: Tuple[Redistribution, ...] = ()
 
     @property
     def tag(self) -> Optional[str]:
@@ -42,7 +45,8 @@ class Partition:
 
     def to_json(self) -> dict:
         return {"id": self.id, "kind": self.kind, "tag": self.tag, "tags": list(self.tags), "module": self.module,
-                "num_ops": self.num_ops, "reasons": [r.to_json() for r in self.reasons], "padding": self.padding}
+                "num_ops": self.num_ops, "reasons": [r.to_json() for r in self.reasons], "padding": self.padding,
+                "redistributions": [r.to_json() for r in self.redistributions]}
 
 
 @dataclass

@@ -27,6 +27,7 @@ from .megatron_flags import unmatched_selection
 from .errors import ConfigError
 from .passes import Finding, RegionInfo, analyze, compute_nodes, module_regions, node_location
 from .passes.common import PADDED, counts_as_op, node_module_path, op_name
+from .passes.dtensor import redistributions
 from .passes.global_state import functorch_spans, is_state_node, state_effect
 from .plan import BLOCK_SCOPE, CAPTURE, EAGER, LAYER_SCOPE, OFF_SCOPE, GraphPlan, Partition
 
@@ -143,10 +144,25 @@ def plan_graph(gm: fx.GraphModule, config: CudaGraphConfig, index: int = 0, *, t
                           min_ops=config.min_partition_ops)
 
     partitions = _place_state_nodes(gm, _finish(runs, regions, blocking, selected, config, scope))
+    partitions = _note_redistributions(gm, partitions)
     if config.cuda_graph_impl == CudaGraphImpl.NONE:
         partitions = [_disabled(p) for p in partitions]
     all_findings = {n.name: tuple(findings.get(n, ())) for n in nodes if n in findings}
     return GraphPlan(index, partitions, scope, device, training, all_findings)
+
+
+def _note_redistributions(gm: fx.GraphModule, partitions: List[Partition]) -> List[Partition]:
+    """Record in each partition the collectives of its DTensor redistributions (passes/dtensor.py): a captured
+    partition captures them with its forward graph, and their gradients' collectives with its backward graph."""
+    found = redistributions(gm)
+    if not found:
+        return partitions
+    owner = {name: p.id for p in partitions for name in p.nodes}
+    per_partition: Dict[int, List] = {}
+    for node, collectives in found.items():
+        if node.name in owner:
+            per_partition.setdefault(owner[node.name], []).extend(collectives)
+    return [replace(p, redistributions=tuple(per_partition.get(p.id, ()))) for p in partitions]
 
 
 def _keep_functorch_levels_whole(gm: fx.GraphModule, regions: Dict[fx.Node, RegionInfo],

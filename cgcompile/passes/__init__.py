@@ -12,6 +12,7 @@ import torch.fx as fx
 from .collectives import find_data_dependent_collectives
 from .common import Finding, compute_nodes, input_description, is_static_placeholder, node_location, node_module_path, op_name
 from .custom_ops import find_cudagraph_unsafe_ops
+from .dtensor import find_data_dependent_redistributions
 from .dynamic_shapes import find_data_dependent_shapes
 from .mutation import find_input_mutations
 from .regions import RegionInfo, module_regions
@@ -26,6 +27,7 @@ __all__ = [
 # Most specific first: when several passes flag one node, the plan reports the first one's category first.
 PASSES: List[Callable[[fx.GraphModule], Dict[fx.Node, List[Finding]]]] = [
     find_data_dependent_collectives,
+    find_data_dependent_redistributions,
     find_host_syncs,
     find_cudagraph_unsafe_ops,
     find_input_mutations,

@@ -19,7 +19,8 @@ collectives through `torch.distributed._functional_collectives.traceable_collect
 - Sizes derived from the shapes of dynamic tensor inputs (dynamic=True, equal splits of a dynamic batch) are
   backed: known on entry, capturable once per size in the graph bank like any other backed shape.
 
-`find_data_dependent_collectives(gm) -> {node: [Finding]}` is the pass; `is_collective(node)` the predicate.
+`find_data_dependent_collectives(gm) -> {node: [Finding]}` is the pass; `is_collective(node)` the predicate;
+`collective_counts(gm)` what a graph runs (the runtime reports it per captured graph).
 """
 
 from __future__ import annotations
@@ -66,12 +67,24 @@ def is_collective(node: fx.Node) -> bool:
     if namespace is not None:
         return namespace in _NAMESPACES
     module = getattr(node.target, "__module__", "") or ""
-    return module.startswith("torch.distributed")
+    # DTensor's API (from_local, ...) is not a collective; its redistributions are read by dtensor.py
+    return module.startswith("torch.distributed") and not module.startswith("torch.distributed.tensor")
 
 
 def is_wait(node: fx.Node) -> bool:
     _, name = _namespace_and_name(node.target)
     return is_collective(node) and name in _WAIT_OPS
+
+
+def collective_counts(gm: fx.GraphModule) -> Dict[str, int]:
+    """How many of each collective gm runs, by op name without its namespace ({"all_reduce": 2}), waits left out:
+    for an aot graph, the collectives DTensor lowered its redistributions to."""
+    counts: Dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if is_collective(node) and not is_wait(node):
+            name = _namespace_and_name(node.target)[1] or op_name(node)
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def _flat(values: Iterable) -> Iterable:

@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
+from ..passes.collectives import collective_counts
 from .arena import OutputLayout, output_layouts
 from .global_state import preserved_global_state
 from .graph import GraphInstance, capture_instance, mutated_inputs
@@ -77,12 +78,14 @@ def _source_of(args: Sequence[Any], family: Optional["GraphFamily"]) -> Any:
 class GraphFamily:
     """The captured instances of one aot graph (forward, backward or inference) of one bank entry."""
 
-    def __init__(self, entry: "BankEntry", kind: str, run: Callable[[list], Any], mutated: frozenset):
+    def __init__(self, entry: "BankEntry", kind: str, run: Callable[[list], Any], mutated: frozenset,
+                 collectives: Optional[Dict[str, int]] = None):
         self.entry = entry
         self.part = entry.part
         self.kind = kind
         self.run = run  # the uncaptured graph (aot graph, or Inductor's compiled version)
         self.mutated = mutated  # inputs the graph itself writes (Inductor keeps some input mutations)
+        self.collectives = collectives or {}  # the c10d collectives the graph runs, e.g. DTensor's (stats()["graphs"])
         self.instances: Dict[int, List[GraphInstance]] = {}  # forward/inference instances per parameter set
         self.layouts: Optional[List[OutputLayout]] = None  # its outputs' layouts, seen in an eager run (arenas)
         self.copy_out: Set[int] = set()  # output positions callers keep beyond their step: handed out as copies
@@ -334,7 +337,7 @@ class BankEntry:
 
     def _family(self, kind: str, run: Callable[[list], Any], gm: fx.GraphModule) -> Callable[[list], Any]:
         """Called by aot for each graph it compiles: the GraphFamily aot runs instead of it."""
-        family = GraphFamily(self, kind, run, mutated_inputs(gm))
+        family = GraphFamily(self, kind, run, mutated_inputs(gm), collective_counts(gm))
         setattr(self, kind, family)
         return family
 

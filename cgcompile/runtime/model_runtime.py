@@ -24,6 +24,7 @@ from .driver import Driver
 from .drivers import EagerDriver, captures_on, get_driver
 from .arena import OutputArena
 from .graph import GraphInstance, storage_ptr
+from .subclasses import inner_tensors
 
 log = logging.getLogger("cgcompile")
 
@@ -71,8 +72,10 @@ class ModelRuntime:
     # public ---------------------------------------------------------------------------------------------
 
     def owns(self, t: Any) -> bool:
-        """Does `t` alias memory owned by one of our graphs (a static output or a static input buffer)?"""
-        return isinstance(t, torch.Tensor) and bool(self._owners) and storage_ptr(t) in self._owners
+        """Does `t` alias memory owned by one of our graphs (a static output or a static input buffer)? A wrapper
+        (DTensor) does when one of its inner tensors does."""
+        return isinstance(t, torch.Tensor) and bool(self._owners) and any(
+            storage_ptr(inner) in self._owners for inner in inner_tensors(t))
 
     def finish_frame_outputs(self, outputs: Any) -> Any:
         """Clone the frame outputs that alias static memory (when config.clone_outputs), so the next replay
@@ -125,10 +128,12 @@ class ModelRuntime:
         self.driver.release()
 
     def graph_memory(self) -> List[Dict[str, Any]]:
-        """Per live graph: its partition, unique label, kind, replays, the pool bytes its capture reserved (CUDA
-        only), and the bytes of the static input buffers and outputs it owns (what it keeps between calls)."""
+        """Per live graph: its partition, unique label, kind, replays, the collectives it runs (by name and count),
+        the pool bytes its capture reserved (CUDA only), and the bytes of the static input buffers and outputs it
+        owns (what it keeps between calls)."""
         return [{"partition": g.partition, "label": g.label, "kind": g.kind, "replays": g.replays,
-                 "steady_replays": max(0, g.replays - 1), **g.memory()} for g in self.live_graphs()]
+                 "steady_replays": max(0, g.replays - 1), "collectives": dict(g.family.collectives), **g.memory()}
+                for g in self.live_graphs()]
 
     def partition_stats(self) -> List[Dict[str, Any]]:
         """Per partition that ran since it was created or released: its frame and graph-bank accounting

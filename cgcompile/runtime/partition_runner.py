@@ -38,6 +38,7 @@ from .driver import Driver
 from .graph import GraphInstance, is_param_or_buffer, storage_ptr
 from .graph_family import BankEntry
 from .model_runtime import ModelRuntime
+from .subclasses import inner_tensors
 
 __all__ = ["PartitionRunner", "compile_partition"]
 
@@ -200,14 +201,15 @@ class PartitionRunner:
 
     def static_storages(self) -> set:
         """Storages of this call's parameters and buffers: the indices given, Parameters, Dynamo-marked
-        static tensors, and the submodule's own parameters/buffers (aot passes those first)."""
+        static tensors, and the submodule's own parameters/buffers (aot passes those first); of a wrapper
+        parameter (DTensor), its inner tensors' storages, which are what aot hands the graphs."""
         found = set()
         args = self._args or ()
         for index, arg in enumerate(args):
             if is_param_or_buffer(arg) or (isinstance(arg, torch.Tensor) and index in self.static_indices):
-                found.add(storage_ptr(arg))
+                found.update(storage_ptr(inner) for inner in inner_tensors(arg))
         for tensor in list(self.submod.parameters()) + list(self.submod.buffers()):
-            found.add(storage_ptr(tensor))
+            found.update(storage_ptr(inner) for inner in inner_tensors(tensor))
         found.discard(0)
         return found
 
