@@ -23,6 +23,7 @@ from . import bank_policy
 from .arena import OutputLayout, output_layouts
 from .global_state import preserved_global_state
 from .graph import MISMATCH, GraphInstance, capture_instance, mutated_inputs
+from .traced_strides import keep_traced_strides
 
 __all__ = ["BankEntry", "GraphFamily"]
 
@@ -220,6 +221,8 @@ class BankEntry:
 
     def _runner(self, kind: str, run: Callable[[list], Any], gm: fx.GraphModule) -> Callable[[list], Any]:
         """Called by aot for each graph it compiles: what aot runs instead of it."""
+        if str(self.part.config.inner_compiler) != "inductor":  # Inductor lays out its own buffers
+            run = keep_traced_strides(gm, run, f"{self.part.name} {kind}")
         family = GraphFamily(self, kind, run, mutated_inputs(gm))
         setattr(self, kind, family)
 
