@@ -82,3 +82,23 @@ def train_like_eager(model: torch.nn.Module, compiled, steps: int = 4, lr: float
             del loss, ref
     param_diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
     return loss_diffs, param_diff
+
+
+def greedy_decode(model: torch.nn.Module, step_fn, prompt: torch.Tensor, steps: int, cache=None):
+    """Prefill eagerly, then decode through step_fn with a StaticCache under no_grad, as generate() does; returns
+    (tokens, last-position logits), `steps` tokens: the prefill's and steps - 1 decode steps. A `cache` given is
+    reset and reused, as generate() reuses its static cache from one call to the next."""
+    batch, length = prompt.shape
+    if cache is None:
+        cache = transformers.StaticCache(config=model.config, max_cache_len=length + steps + 1)
+    cache.reset()
+    with torch.no_grad():
+        out = model(input_ids=prompt, past_key_values=cache, use_cache=True, cache_position=torch.arange(length))
+        tokens, logits = [out.logits[:, -1].argmax(-1, keepdim=True)], [out.logits[:, -1]]
+        for i in range(steps - 1):
+            position = torch.tensor([length + i])
+            out = step_fn(input_ids=tokens[-1], past_key_values=cache, use_cache=True, cache_position=position,
+                          position_ids=position.expand(batch, 1))  # a stride-0 input, as generate() passes
+            logits.append(out.logits[:, -1].clone())
+            tokens.append(logits[-1].argmax(-1, keepdim=True))
+    return torch.cat(tokens, 1), torch.stack(logits)
