@@ -28,7 +28,7 @@ def test_qwen3_next_trains_like_eager_with_graphs_replayed():
         replays.append(sum(row["replays"] for row in cgcompile.stats()["partitions"]))
 
     # keep_loss=False: transformers' grouped-mm fallback (fp32 experts) keeps `offs`, an output of a captured
-    # graph, on its autograd context, so a loss kept into the next step keeps that graph busy.
+    # graph, on its autograd context, so a loss kept into the next step keeps that graph busy (issue 27).
     losses, params = train_like_eager(model, compiled, steps=STEPS, check_step=check_step, keep_loss=False)
     stats = cgcompile.stats()
     torch._dynamo.reset()
