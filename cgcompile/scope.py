@@ -18,6 +18,7 @@ Dynamo shares between layers follows each layer's own scope.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
@@ -29,6 +30,8 @@ from .config_values import ChoiceEnum, parse_enum
 from .errors import ConfigError
 
 __all__ = ["LayerScope", "ScopedFrame", "scope_config", "scope_of", "transition_cudagraph_scope"]
+
+log = logging.getLogger("cgcompile")
 
 
 class LayerScope(ChoiceEnum):
@@ -83,12 +86,14 @@ def scope_of(module: torch.nn.Module) -> LayerScope:
 
 
 def scope_config(config: CudaGraphConfig, scope: LayerScope) -> CudaGraphConfig:
-    """The options a scope compiles with: 'partial' the given ones; 'full' whole layers, padding the expert loop
-    ("max") unless a padding mode was chosen. Impls that do not select modules (none, full_iteration) are alike
-    in both."""
+    """The options a scope compiles with: 'partial' the given ones; 'full' whole layers, with the local impl
+    padding the expert loop ("max") unless a padding mode was chosen. Impls that do not select modules (none,
+    full_iteration) are alike in both."""
     if scope is LayerScope.PARTIAL or config.cuda_graph_impl in (CudaGraphImpl.NONE, CudaGraphImpl.FULL_ITERATION):
         return config
-    padding = DynamicPadding.MAX if config.dynamic_padding is DynamicPadding.OFF else config.dynamic_padding
+    padding = config.dynamic_padding
+    if padding is DynamicPadding.OFF and config.cuda_graph_impl is CudaGraphImpl.LOCAL:
+        padding = DynamicPadding.MAX
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the options' own warnings were given when they were read
         return dataclasses.replace(config, cuda_graph_modules=(), dynamic_padding=padding)
@@ -128,6 +133,10 @@ class ScopedFrame:
                 self._scope = scope_of(module) if module is not None else LayerScope.PARTIAL
         frame = self._frames.get(self._scope)
         if frame is None:
+            if self._frames:
+                log.info("cgcompile: capture scope %r reached a compiled graph for the first time: planning it for "
+                         "that scope from Dynamo's trace (no new trace); the graphs of scope %s stay for when it "
+                         "comes back", self._scope.value, " and ".join(repr(s.value) for s in self._frames))
             frame = self._frames[self._scope] = self._build(self._scope, args)
         return frame
 

@@ -4,6 +4,7 @@ preprocessing; the expert loop eager). An RL-style loop switches back and forth:
 Dynamo's one trace, keeps its graphs, and both train and evaluate like eager."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -40,7 +41,8 @@ def dynamo_graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-def test_switching_scope_back_and_forth_replans_once_per_scope_and_reuses_its_graphs():
+def test_switching_scope_back_and_forth_replans_once_per_scope_and_reuses_its_graphs(caplog):
+    caplog.set_level(logging.INFO, logger="cgcompile")
     traced = dynamo_graphs()
     model = SPEC.make()
     reference = copy.deepcopy(model)
@@ -67,6 +69,9 @@ def test_switching_scope_back_and_forth_replans_once_per_scope_and_reuses_its_gr
     assert captured[1] > captured[0] > 0 and len(set(captured[1:])) == 1, captured
     assert all(b > a for a, b in zip(replays[1:], replays[2:])), replays
     assert cgcompile.stats()["eager_fallbacks"] == []
+    switches = [r.getMessage() for r in caplog.records if "capture scope" in r.getMessage()]
+    assert len(switches) == 2  # the training graph, then the no-grad graph, each once
+    assert_expected_inline(switches[0], """cgcompile: capture scope 'partial' reached a compiled graph for the first time: planning it for that scope from Dynamo's trace (no new trace); the graphs of scope 'full' stay for when it comes back""")
 
 
 def test_a_bad_scope_is_one_clear_error_naming_the_choices():
@@ -95,3 +100,19 @@ def test_layers_compiled_one_by_one_follow_their_own_scope():
     padded = [any(q.padding for q in plan.partitions) for plan in rec.graphs]
     assert sorted(padded) == [False, False, True, True], padded  # per grad mode: layer 0 full, layer 1 partial
     assert cgcompile.stats()["replays"] > 0 and cgcompile.stats()["eager_fallbacks"] == []
+
+
+def test_what_each_scope_compiles_with():
+    from cgcompile.scope import LayerScope, scope_config
+    given = cgcompile.CudaGraphConfig.from_options(OPTIONS)
+    assert scope_config(given, LayerScope.PARTIAL) is given
+    full = scope_config(given, LayerScope.FULL)
+    assert (full.cuda_graph_modules, full.dynamic_padding, full.driver) == ((), "max", "emulate")
+    buckets = cgcompile.CudaGraphConfig.from_options(dict(OPTIONS, dynamic_padding="buckets"))
+    assert scope_config(buckets, LayerScope.FULL).dynamic_padding == "buckets"
+    te = cgcompile.CudaGraphConfig.from_options({"cuda_graph_impl": "transformer_engine",
+                                                 "cuda_graph_modules": ["attn"]})
+    te_full = scope_config(te, LayerScope.FULL)
+    assert (te_full.cuda_graph_modules, te_full.dynamic_padding) == ((), "off")  # padding: the local impl only
+    whole_step = cgcompile.CudaGraphConfig.from_options({"cuda_graph_impl": "full_iteration"})
+    assert scope_config(whole_step, LayerScope.FULL) is whole_step
