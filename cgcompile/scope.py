@@ -5,8 +5,8 @@ Megatron-LM's `MoETransformerLayer.transition_cudagraph_scope(mode)` moves a lay
 ('partial': the configured modules, e.g. the router and its preprocessing, with the token dispatch eager; used
 for training). `transition_cudagraph_scope(model, mode)` is the same switch for a model compiled with the
 backend: 'partial' is the compile options as given, 'full' the same options with `cuda_graph_modules=[]` (every
-capture-safe span) and `dynamic_padding="max"` where it was "off" (what lets an MoE layer's expert loop be
-captured; Megatron pads the experts for the same reason).
+capture-safe span) and, with the local impl, `dynamic_padding="max"` where it was "off" (what lets an MoE layer's
+expert loop be captured; Megatron pads the experts for the same reason).
 
 How: the backend returns a `ScopedFrame` for each Dynamo graph. Dynamo traces once; each scope is planned from a
 copy of that graph when a call first needs it, and keeps its compiled frame (its partitions, graphs and bank
