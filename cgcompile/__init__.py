@@ -11,11 +11,12 @@ from .explain import Plan, explain
 from .hf import HF_FAMILIES, tag_hf
 from .runtime.release import release
 from .runtime.whole_step import capture_step
+from .scope import transition_cudagraph_scope
 from .tagging import eager_region, tag, tag_modules, tag_of, untag
 from .counters import reset_stats, stats
 
 __all__ = [
     "ConfigError", "CudaGraphConfig", "HF_FAMILIES", "Plan", "explain", "CudaGraphImpl", "CudaGraphModule", "CudaGraphScope",
     "InferenceCudaGraphScope", "capture_step", "eager_region", "release", "reset_stats", "stats", "tag",
-    "tag_hf", "tag_modules", "tag_of", "untag",
+    "tag_hf", "tag_modules", "tag_of", "transition_cudagraph_scope", "untag",
 ]

@@ -19,7 +19,7 @@ from .checkpoint_inline import inline_checkpoints_around_islands
 from .config import CudaGraphConfig, CudaGraphImpl, InferenceCudaGraphScope
 from .diagnostics import full_iteration_error, log_graph_plan
 from .errors import ConfigError
-from .frame_root import anchor_module_stacks, frame_root
+from .frame_root import anchor_module_stacks, frame_module, frame_root
 from .logs import register_with_torch_logs
 from .padding import pad_dynamic_rows
 from .passes import input_description, is_static_placeholder, node_location
@@ -35,7 +35,8 @@ from .runtime.te import TEFrame, resolve_graphing_fn
 from .runtime.verify import VerifiedPartition
 from .plan import BLOCK_SCOPE, LAYER_SCOPE, OFF_SCOPE, GraphPlan
 from .planner import plan_graph
-from .split import hoist_scalar_input_reads, replace_submodule, split
+from .scope import LayerScope, ScopedFrame, scope_config
+from .split import copy_graph_module, hoist_scalar_input_reads, replace_submodule, split
 
 register_with_torch_logs()
 
@@ -111,9 +112,28 @@ def cudagraph_modules(gm: fx.GraphModule, example_inputs: List[Any], options: Op
     config = CudaGraphConfig.from_options(options)
     root = frame_root()
     anchor_module_stacks(gm, root)  # a frame after a graph break inside a module starts at that module
+    if scope_config(config, LayerScope.FULL) == config:  # a scope transition (scope.py) would change nothing
+        return plan_and_compile(gm, example_inputs, config, next(_graph_counter), root)
+    # Dynamo traces once; each capture scope is planned from its own copy of the graph at its first call
+    pristine, unplanned = copy_graph_module(gm), [gm]
+
+    def build(scope: LayerScope, args: Sequence[Any]) -> Callable[..., Any]:
+        graph = unplanned.pop() if unplanned else copy_graph_module(pristine)
+        return plan_and_compile(graph, args, scope_config(config, scope), next(_graph_counter), root)
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    probe = next((i for i, n in enumerate(placeholders) if is_static_placeholder(n)), None)
+    frame = ScopedFrame(build, probe, frame_module())
+    frame.prepare(example_inputs)
+    return frame
+
+
+def plan_and_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGraphConfig, index: int,
+                     root: Any) -> Callable[..., Any]:
+    """Plan one Dynamo graph (mutating it), tell the plan listeners and the log, compile it."""
     # a submodule's frame is a fragment of the model (Dynamo broke around it): it may hold none of the
     # selected tags (a decoder layer's attention half when "moe" is selected), so only whole frames are checked
-    graph_plan = make_plan(gm, example_inputs, config, next(_graph_counter), validate_tags=root is None)
+    graph_plan = make_plan(gm, example_inputs, config, index, validate_tags=root is None)
     for listener in getattr(_listeners, "stack", ()):
         listener.graphs.append(graph_plan)
     log_graph_plan(graph_plan, config)

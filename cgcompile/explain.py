@@ -17,6 +17,7 @@ from .backend import make_plan
 from .config import CudaGraphConfig
 from .diagnostics import format_plan
 from .frame_root import anchor_module_stacks, frame_root
+from .model_state import preserved_model_state
 from .passes import module_regions
 from .plan import GraphBreak, GraphPlan
 from .planner import check_selected_tags, graph_tags
@@ -88,10 +89,14 @@ def _run_dynamo_explain(fn, args, kwargs):
 
 def explain(model_or_fn, *args: Any, options: Optional[dict] = None, **kwargs: Any) -> Plan:
     """Trace `model_or_fn(*args, **kwargs)` with Dynamo and return the partition Plan our backend would use,
-    including Dynamo's own graph breaks. Bad options raise before any tracing. Nothing is captured."""
+    including Dynamo's own graph breaks. Bad options raise before any tracing. Nothing is captured.
+
+    Tracing runs the model; its effects are undone (model_state.py): parameters, buffers, grads, the tensors in
+    the arguments and every random generator are left as they were found."""
     config = CudaGraphConfig.from_options(options)
     fn = getattr(model_or_fn, "_orig_mod", model_or_fn)
-    output = _run_dynamo_explain(fn, args, kwargs)
+    with preserved_model_state(fn, args, kwargs):
+        output = _run_dynamo_explain(fn, args, kwargs)
     plan = Plan(config)
     present: dict = {}
     for index, gm in enumerate(output.graphs):

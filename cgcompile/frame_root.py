@@ -47,15 +47,28 @@ def _caller_self(code) -> Optional[nn.Module]:
     return None
 
 
-def frame_root() -> Optional[Tuple[Tuple[str, type], ...]]:
-    """The modules from the user's model down to the module whose method Dynamo is compiling, as (path,
-    class) pairs outermost first (the model itself left out, as Dynamo leaves it out), or None when the frame
-    is not a method of a submodule (the model's own forward, a plain function)."""
+def _frame_self() -> Optional[nn.Module]:
+    """The module whose method Dynamo is compiling, or None."""
     code, f_locals, resume = _compat.dynamo_frame()
     root = f_locals.get("self")
     if not isinstance(root, nn.Module) and resume:
         root = _caller_self(code)  # `self` unused after the break: the resumed method's frame still holds it
-    if not isinstance(root, nn.Module):
+    return root if isinstance(root, nn.Module) else None
+
+
+def frame_module() -> Optional[nn.Module]:
+    """The module whose method Dynamo is compiling (for a resume function, the method it continues), else the
+    outermost module running (a function the model calls); None when no module is running."""
+    module = _frame_self()
+    return module if module is not None else _outermost_running_module()
+
+
+def frame_root() -> Optional[Tuple[Tuple[str, type], ...]]:
+    """The modules from the user's model down to the module whose method Dynamo is compiling, as (path,
+    class) pairs outermost first (the model itself left out, as Dynamo leaves it out), or None when the frame
+    is not a method of a submodule (the model's own forward, a plain function)."""
+    root = _frame_self()
+    if root is None:
         return None
     model = _outermost_running_module()
     if model is None or model is root:

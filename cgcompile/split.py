@@ -1,9 +1,10 @@
-"""FX surgery on a planned graph: hoist scalar-input reads, cut the graph into one submodule per partition
-(torch.fx.passes.split_module; keep_original_order=True keeps unbacked symbols defined before their uses), and
-swap a submodule for its runtime wrapper."""
+"""FX surgery on a planned graph: copy it before planning, hoist scalar-input reads, cut the graph into one
+submodule per partition (torch.fx.passes.split_module; keep_original_order=True keeps unbacked symbols defined
+before their uses), and swap a submodule for its runtime wrapper."""
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -13,6 +14,14 @@ from torch.fx.passes.split_module import split_module
 from .passes.common import is_scalar_input_read
 from .passes.global_state import grad_mode_after
 from .plan import GraphPlan
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` that planning may rewrite (padding, hoisting) without touching `gm`: new nodes, each with
+    its own meta dict (the values in it shared), the same submodules and attributes."""
+    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    copied.meta = dict(gm.meta)
+    return copied
 
 
 def hoist_scalar_input_reads(gm: fx.GraphModule) -> fx.GraphModule:

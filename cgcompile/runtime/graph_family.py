@@ -33,6 +33,7 @@ from ..passes.collectives import collective_counts
 from .arena import OutputLayout, output_layouts
 from .global_state import preserved_global_state
 from .graph import GraphInstance, capture_instance, mutated_inputs
+from .traced_strides import keep_traced_strides
 
 __all__ = ["BankEntry", "GraphFamily"]
 
@@ -337,6 +338,8 @@ class BankEntry:
 
     def _family(self, kind: str, run: Callable[[list], Any], gm: fx.GraphModule) -> Callable[[list], Any]:
         """Called by aot for each graph it compiles: the GraphFamily aot runs instead of it."""
+        if str(self.part.config.inner_compiler) != "inductor":  # Inductor lays out its own buffers
+            run = keep_traced_strides(gm, run, f"{self.part.name} {kind}")
         family = GraphFamily(self, kind, run, mutated_inputs(gm), collective_counts(gm))
         setattr(self, kind, family)
         return family

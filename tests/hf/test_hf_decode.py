@@ -9,25 +9,9 @@ import torch
 
 import cgcompile
 from cgcompile.backend import record_plans
-from tests.hf.families import VOCAB, build, transformers
+from tests.hf.families import VOCAB, build, greedy_decode
 
 STEPS, PROMPT = 9, 5  # 9 greedy tokens: the prefill's and 8 decode steps through the compiled model
-
-
-def greedy(model, step_fn, prompt):
-    """Prefill eagerly, then decode through step_fn with a StaticCache; (tokens, last-position logits)."""
-    batch, length = prompt.shape
-    cache = transformers.StaticCache(config=model.config, max_cache_len=length + STEPS + 1)
-    with torch.no_grad():
-        out = model(input_ids=prompt, past_key_values=cache, use_cache=True, cache_position=torch.arange(length))
-        tokens, logits = [out.logits[:, -1].argmax(-1, keepdim=True)], [out.logits[:, -1]]
-        for i in range(STEPS - 1):
-            position = torch.tensor([length + i])
-            out = step_fn(input_ids=tokens[-1], past_key_values=cache, use_cache=True, cache_position=position,
-                          position_ids=position.expand(batch, 1))  # a stride-0 input, as generate() passes
-            logits.append(out.logits[:, -1].clone())
-            tokens.append(logits[-1].argmax(-1, keepdim=True))
-    return torch.cat(tokens, 1), torch.stack(logits)
 
 
 @pytest.mark.parametrize("family, scope, sizes", [
@@ -44,8 +28,8 @@ def test_static_cache_decode_matches_eager(family, scope, sizes):
     with record_plans() as rec:
         for batch in batches:
             prompt = torch.randint(0, VOCAB, (batch, PROMPT), generator=torch.Generator().manual_seed(batch))
-            got, got_logits = greedy(model, compiled, prompt)
-            want, want_logits = greedy(reference, reference, prompt)
+            got, got_logits = greedy_decode(model, compiled, prompt, STEPS)
+            want, want_logits = greedy_decode(reference, reference, prompt, STEPS)
             assert torch.equal(got, want), (batch, got, want)
             torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
     st = cgcompile.stats()
