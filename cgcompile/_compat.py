@@ -12,7 +12,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 import torch
 
 __all__ = ["FsdpParam", "TorchDispatchMode", "aot_compile", "boxed", "copy_all", "cuda_end_allocate_to_pool",
-           "cuda_release_pool", "AddressCheck", "at_backward_end", "storage_weak_ref",
+           "cuda_release_pool", "AddressCheck", "at_backward_end", "direct_inference", "storage_weak_ref",
            "dynamo_frame", "fsdp2_keep_unsharded", "fsdp2_params", "fsdp2_restore_free", "functorch_level",
            "generator_capture_state_outlives_failure", "is_unregistered_generator_error", "is_wrapper_subclass", "pop_functorch_level",
            "resolve_overload", "storage_key", "storage_use_count", "tree_flatten", "tree_unflatten"]
@@ -26,14 +26,17 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 
 def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
-                make_runner: Callable[[str, Callable[[list], Any], torch.fx.GraphModule], Callable[[list], Any]], *,
+                make_runner: Callable[[str, Callable[[list], Any], torch.fx.GraphModule, Optional[tuple]],
+                                      Callable[[list], Any]], *,
                 inductor: bool = False) -> Callable[..., Any]:
     """Run aot_autograd over `mod` (which must return a tuple) and return its positional callable.
 
-    For every graph aot produces ("forward", "backward" or "inference"), `make_runner(kind, run, gm)` is
-    called with `run(args: list)` executing that graph uncaptured and the aten graph `gm` itself (before
-    Inductor), and returns what aot will call instead (boxed: one list argument). `args` may be real tensors: aot fakifies them in a fresh FakeTensorMode when no
-    tracing context is active.
+    For every graph aot produces ("forward", "backward" or "inference"), `make_runner(kind, run, gm, direct)` is
+    called with `run(args: list)` executing that graph uncaptured, the aten graph `gm` itself (before Inductor),
+    and for an inference graph whose runtime wrapper would do nothing but call it (direct_inference), the input
+    positions whose version counters that wrapper bumps (else None); it returns what aot will call instead
+    (boxed: one list argument). `args` may be real tensors: aot fakifies them in a fresh FakeTensorMode (the one
+    of the tracing context opened here, where aot records the graphs' metadata: TracingContext.fw_metadata).
 
     - inductor=False: torch._functorch.aot_autograd.aot_module_simplified (checked 2.11, 2.13); `run` calls
       the aten graph module. keep_inference_input_mutations=True (as Inductor sets it): an inference graph's
@@ -47,14 +50,21 @@ def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
     if not inductor:
         from torch._functorch.aot_autograd import aot_module_simplified
 
+        from torch._guards import TracingContext, tracing
+        from torch._subclasses import FakeTensorMode
+
+        num_args = len(args)  # not `args`: a closure over them would keep the first call's tensors alive
+
         def compiler(kind: str) -> Callable:
             def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-                return boxed(make_runner(kind, lambda graph_args: gm(*graph_args), gm))
+                direct = direct_inference(gm, num_args) if kind == "inference" else None
+                return boxed(make_runner(kind, lambda graph_args: gm(*graph_args), gm, direct))
             return compile_graph
 
-        return aot_module_simplified(mod, list(args), fw_compiler=compiler("forward"),
-                                     bw_compiler=compiler("backward"), inference_compiler=compiler("inference"),
-                                     keep_inference_input_mutations=True)
+        with tracing(TracingContext(FakeTensorMode())):
+            return aot_module_simplified(mod, list(args), fw_compiler=compiler("forward"),
+                                         bw_compiler=compiler("backward"), inference_compiler=compiler("inference"),
+                                         keep_inference_input_mutations=True)
 
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
@@ -64,12 +74,33 @@ def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
         kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
         kwargs["cudagraphs"] = None
         compiled = compile_fx_inner(gm, example_inputs, **kwargs)
-        return boxed(make_runner(kind, lambda graph_args: compiled(list(graph_args)), gm))
+        return boxed(make_runner(kind, lambda graph_args: compiled(list(graph_args)), gm, None))
 
     with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch({"triton.cudagraphs": False}):
         # For a GraphModule this is aot_module_simplified's positional forward (its `_boxed_call` attribute,
         # copied from the wrapped runtime function by simple_wraps, does not apply to it).
         return compile_fx(mod, list(args), inner_compile=inner_compile)
+
+
+def direct_inference(gm: torch.fx.GraphModule, num_args: int) -> Optional[tuple]:
+    """For an inference graph being compiled: when aot's runtime wrapper around it would only call it (no input
+    mutation or output alias it applies after the graph, no intermediate bases, no effect tokens, no functionalized
+    rng, no tensor subclass, the graph taking exactly the module's arguments, autocast off), the input positions
+    whose version counters the wrapper bumps for mutations kept in the graph; else None. Reads the metadata aot
+    records on the tracing context (torch/_functorch/_aot_autograd/schemas.py ViewAndMutationMeta; fields
+    checked 2.11, 2.13; any one missing means None)."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    try:
+        if (meta is None or meta.num_mutated_inp_runtime_indices or meta.num_intermediate_bases or meta.tokens
+                or meta.is_rng_op_functionalized or torch._C._is_any_autocast_enabled()
+                or any(info.output_type.name != "non_alias" for info in meta.output_info)
+                or any(type(m).__name__ != "PlainTensorMeta" for m in meta.subclass_inp_meta if not isinstance(m, int))
+                or sum(n.op == "placeholder" for n in gm.graph.nodes) != num_args):
+            return None
+        return tuple(meta.mutated_graph_handled_indices_seen_by_autograd)
+    except AttributeError:
+        return None
 
 
 def boxed(fn: Callable[[list], Any]) -> Callable[[list], Any]:

@@ -104,7 +104,8 @@ class GraphFamily:
         if self.kind == "backward":
             return self._backward(args)
         key = part.call_key
-        self._learn_from_warmup(key)
+        if self._eager:
+            self._learn_from_warmup(key)
         if part.warming_up(self, key):
             return self._warmup(key, args)
         out = self._forward(key, args)
@@ -331,18 +332,31 @@ class BankEntry:
         self.forward: Optional[GraphFamily] = None
         self.backward: Optional[GraphFamily] = None
         self.inference: Optional[GraphFamily] = None
+        self.bumps: Optional[tuple] = None  # inference graph aot's wrapper only calls: positions whose versions it bumps
         self.batch = part.batch_of(args)  # capture_sizes: the (padded) batch of this signature
         with preserved_global_state():  # tracing runs the partition's grad-mode/vmap switches for real
             self.fn = _compat.aot_compile(part.traced, args, self._family,
                                           inductor=str(part.config.inner_compiler) == "inductor")
 
-    def _family(self, kind: str, run: Callable[[list], Any], gm: fx.GraphModule) -> Callable[[list], Any]:
+    def _family(self, kind: str, run: Callable[[list], Any], gm: fx.GraphModule,
+                direct: Optional[tuple]) -> Callable[[list], Any]:
         """Called by aot for each graph it compiles: the GraphFamily aot runs instead of it."""
+        if kind == "inference":
+            self.bumps = direct
         if str(self.part.config.inner_compiler) != "inductor":  # Inductor lays out its own buffers
             run = keep_traced_strides(gm, run, f"{self.part.name} {kind}")
         family = GraphFamily(self, kind, run, mutated_inputs(gm), collective_counts(gm))
         setattr(self, kind, family)
         return family
+
+    def run_direct(self, args: Sequence[Any]) -> List[Any]:
+        """An inference call without aot's runtime wrapper, for an inference graph it would only call (`bumps` set):
+        its per-argument work, redone on every call, skipped. The graph, then the version bumps the wrapper makes
+        for the inputs the graph writes."""
+        out = self.inference(list(args))
+        for i in self.bumps:
+            torch.autograd.graph.increment_version(args[i])
+        return out
 
     def discard(self) -> None:
         for family in (self.forward, self.inference):

@@ -123,7 +123,7 @@ class PartitionRunner:
         """The bank policy's state, fresh (at creation and after release())."""
         self.counters = bank_policy.BankCounters()
         self._param_sets: Dict[int, _ParamSet] = {}
-        self._usage: "weakref.WeakKeyDictionary[GraphInstance, _Usage]" = weakref.WeakKeyDictionary()
+        self._usage: Dict[GraphInstance, _Usage] = {}  # forward/inference instances alive (removed when released)
         self._unjudged_sizes: Dict[Any, List[int]] = {}  # bank key -> [tick first seen, calls], until judged
         self._tick = 0  # calls of this partition with any parameter set
         self._sizes_judged = 0
@@ -148,7 +148,7 @@ class PartitionRunner:
         self._args = args
         self.call_key = id(args[self._key_index]) if self._key_index is not None else 0
         try:
-            out = entry.fn(*args)
+            out = entry.run_direct(args) if entry.bumps is not None else entry.fn(*args)
         finally:
             self._args = None
         if self.container is None:
@@ -478,6 +478,7 @@ class PartitionRunner:
         if self.broken is not None:
             return
         self.broken = reason
+        self._usage = {}
         if storm:
             self.counters.stopped = reason
         log.warning("cgcompile: %s runs eagerly from now on: %s", self.describe(), reason)
