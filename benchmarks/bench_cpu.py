@@ -323,6 +323,32 @@ def print_hf(results: dict) -> None:
               f"{replays:>13.1f}  {flops / eager_flops:>20.2f}x  {verdict}".rstrip())
 
 
+def print_replay_cost(quick: bool) -> None:
+    """Table (g): host time per replay vs a minimal wrapper, its growth with depth, reuse on the issue-27 loops."""
+    import replay_cost
+
+    calls, repeats = (60, 3) if quick else (300, 7)
+    print("\n(g) host time per replay (emulated replays made no-ops: the work around a launch), same process, "
+          "medians of interleaved repeats")
+    rows = []
+    for scope in ("layer", "block"):
+        ours, minimal = replay_cost.decode_host_times(scope, calls=calls, repeats=repeats)
+        rows.append((f"decode step, 8 layers, {scope} scope, per partition call", "minimal wrapper", ours, minimal,
+                     2.0))
+    depths = replay_cost.depth_host_times((8, 24, 96), steps=2 if quick else 4, repeats=repeats)
+    for layers in (24, 96):
+        rows.append((f"training, a break per layer, per forward partition call, {layers} vs 8 layers", "8 layers",
+                     depths[layers], depths[8], 1.2))
+    for name, vs, o, b, goal in rows:
+        verdict = "PASS" if within(o / b, goal) else "MISS"
+        print(f"  {name}: {o * 1e6:.1f} us vs {vs} {b * 1e6:.1f} us: {o / b:.2f}x, goal <= {goal:.2f}x  {verdict}")
+    print("(g) reuse on the loops of issue 27 (reuse: replays per call after the capture step)")
+    for name, row, goal, met in replay_cost.reuse_rows(quick):
+        print(f"  {name}: captured {row['captured']}, live {row['live']}, released {row['released']}, stops "
+              f"{row['stops']}, eager fallbacks {row['fallbacks']}, reuse {row['reuse']:.2f}; goal: {goal}  "
+              f"{'PASS' if met else 'MISS'}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small models, one repeat: a smoke run for CI")
@@ -374,6 +400,7 @@ def main(argv=None) -> int:
                     for mode, tokens in workloads}, bank_steps)
         print_hf(bench_hf(warmup=2 if args.quick else 4, steps=2 if args.quick else 8,
                           dtypes=(torch.bfloat16,) if args.quick else (torch.float32, torch.bfloat16)))
+        print_replay_cost(args.quick)
         print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
         if args.profile:

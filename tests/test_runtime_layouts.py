@@ -30,7 +30,7 @@ def test_any_layout_replays_like_eager(case):
                 assert g.shape == w.shape and torch.equal(g, w), case
     st = cgcompile.stats()
     assert st["eager_fallbacks"] == [], st["eager_fallbacks"]
-    assert st["graphs_captured"] >= 1 and st["replays"] >= 2, case
+    assert st["graphs_captured"] >= 1 and st["steady_replays"] >= 1, case
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -90,7 +90,7 @@ def test_calling_convention_single_tuple_and_list():
         assert isinstance(pair(x), tuple) and torch.equal(a, x + 1) and torch.equal(b, x * 3)
         out = listed(x)
         assert isinstance(out, list) and torch.equal(out[0], x - 1)
-    assert stats()["replays"] > 0
+    assert stats()["steady_replays"] > 0
 
 
 def test_eager_driver_with_eager_compiler_returns_the_submodule():
@@ -115,7 +115,7 @@ def test_forward_backward_parity_and_held_gradient_buffers():
             assert_close(a.grad, b.grad)
             assert not rt.owns(a.grad)  # AccumulateGrad copied, never stole a static buffer
     s = stats()
-    assert s["graphs_captured"] == 2 and s["replays"] == 6  # fwd+bwd captured at step 1, replayed at 2, 3
+    assert s["graphs_captured"] == 2 and s["steady_replays"] == 4  # fwd+bwd captured at step 1, run again at 2, 3
 
 
 def _step(model, p, ref, x, zero=True):
@@ -154,7 +154,7 @@ def test_cleared_grads_are_stolen_and_kept_grads_stay_exact():
         model.zero_grad(set_to_none=False)
         ref.zero_grad(set_to_none=False)
     assert not any(rt.owns(a.grad) for a in model.parameters())
-    assert stats()["replays"] > 10 and not stats()["eager_fallbacks"]
+    assert stats()["steady_replays"] > 8 and not stats()["eager_fallbacks"]
 
 
 @functorch_config.patch(donated_buffer=False)  # else aot itself refuses retain_graph
@@ -430,7 +430,7 @@ def test_inductor_inner_compiler_with_in_graph_mutations():
     ref, model = twins(Normed)
     rt = runtime(inner_compiler="inductor")
     p = partition(model, rt)
-    for step in range(3):
+    for step in range(4):  # a new `acc` every call: read in place at the capture, copied in and back from then on
         model.zero_grad(), ref.zero_grad()
         x = torch.randn(5, 6)
         acc, acc_ref = torch.zeros(5, 6), torch.zeros(5, 6)
@@ -446,4 +446,4 @@ def test_inductor_inner_compiler_with_in_graph_mutations():
             torch.testing.assert_close(p(x, acc), ref(x, acc_ref), rtol=1e-4, atol=1e-5)
             assert torch.equal(acc, acc_ref)
     s = stats()
-    assert s["replays"] > 0 and s["eager_fallbacks"] == []
+    assert s["steady_replays"] > 0 and s["eager_fallbacks"] == []

@@ -41,6 +41,7 @@ and the pool rule. The buffer rules, in one place:
 
 from __future__ import annotations
 
+import operator
 import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -108,7 +109,6 @@ class GraphInstance:
         self.expanded_copies = [i for i in copies if 0 in inputs[i].stride()]  # copied by their core
         self.copies = [i for i in copies if i not in self.expanded_copies]
         self.copy_buffers = [inputs[i] for i in self.copies]
-        self.copy_ptrs = [b.data_ptr() for b in self.copy_buffers]
         self.tensor_outputs = [j for j, t in enumerate(captured.static_outputs) if isinstance(t, torch.Tensor)]
         self.claim = MemoryClaim()
         self.lenders: List[Tuple[MemoryClaim, int, int]] = []  # (lender's claim, storage ptr, references we keep)
@@ -260,7 +260,10 @@ class GraphInstance:
     def replay(self, args: Sequence[Any], alias: bool, copies: Set[int] = frozenset()) -> List[Any]:
         """Run the graph for `args`: outputs handed out as aliases (or, at positions in `copies`, as copies), or
         as the static tensors themselves when not `alias` (a backward's grads that AccumulateGrad clones)."""
-        with torch.no_grad():
+        grad = torch.is_grad_enabled()
+        if grad:  # copies into our buffers and the aliases handed out carry no autograd history
+            torch.set_grad_enabled(False)
+        try:
             if self.copies:
                 self._copy_in(args)
             for i in self.expanded_copies:
@@ -284,24 +287,24 @@ class GraphInstance:
             else:
                 self.claim.replayed()
                 self._held_until_backward_ends()
+        finally:
+            if grad:
+                torch.set_grad_enabled(True)
         self.replays += 1
         self.pending_backward = self.kind == "forward"
         add_replay(self.replays > 1)
         return outputs
 
     def _copy_in(self, args: Sequence[Any]) -> None:
-        """Copy the call's owned inputs into the static buffers in one dispatch (skipping any already there)."""
+        """Copy the call's owned inputs into the static buffers in one dispatch (skipping one already there: a
+        caller passing our own buffer back)."""
         sources = [args[i] for i in self.copies]
-        ptrs = list(map(_DATA_PTR, sources))
-        if any(map(int.__eq__, ptrs, self.copy_ptrs)):  # a caller passing our own buffer back
-            pairs = [(b, a) for b, a, p, q in zip(self.copy_buffers, sources, ptrs, self.copy_ptrs) if p != q]
+        if any(map(operator.is_, self.copy_buffers, sources)):
+            pairs = [(b, a) for b, a in zip(self.copy_buffers, sources) if b is not a]
             if pairs:
                 _compat.copy_all([b for b, _ in pairs], [a for _, a in pairs])
         else:
             _compat.copy_all(self.copy_buffers, sources)
-
-
-_DATA_PTR = torch.Tensor.data_ptr
 
 
 # --- capture ------------------------------------------------------------------------------------------------

@@ -94,6 +94,7 @@ class GraphFamily:
         self.moving: Set[int] = set()  # written inputs seen at other addresses: copied in and back
         self._eager: Dict[int, EagerHandout] = {}  # per parameter set, its last warmup run
         self._warmed: Set[int] = set()  # parameter sets this graph ran for on the driver's warmup stream
+        self._written: Dict[int, tuple] = {}  # per parameter set, the addresses of written inputs at its last warmup
 
     # calls ---------------------------------------------------------------------------------------------------
 
@@ -111,6 +112,15 @@ class GraphFamily:
         out = self._forward(key, args)
         part.after_call(key)
         return out
+
+    def _watch_written(self, key: int, args: list) -> None:
+        """Warmup calls tell whether an input the graph writes comes at the same address every call (read in place
+        once captured) or not (copied in and back): what the first capture does."""
+        addresses = tuple(args[i].data_ptr() if isinstance(args[i], torch.Tensor) else 0 for i in sorted(self.mutated))
+        before = self._written.get(key)
+        if before is not None:
+            self.moving.update(i for i, a, b in zip(sorted(self.mutated), addresses, before) if a != b)
+        self._written[key] = addresses
 
     def _run_warming(self, key: int, args: list) -> Any:
         """An eager run on the driver's warmup stream (per-stream library state then exists before a capture on
@@ -130,6 +140,7 @@ class GraphFamily:
         return out
 
     def _warmup(self, key: int, args: list) -> Any:
+        self._watch_written(key, args)
         out = list(self._run_warming(key, args))
         handout = EagerHandout(self, key, out, args, pending=self.kind == "forward")
         for t in out:
@@ -165,14 +176,17 @@ class GraphFamily:
             if not graph.addresses_match(args):
                 continue
             if graph.held():
-                self._learn_held(graph)
+                self.learn_held(graph)
                 continue
             bw = graph.bw
             if bw is not None and bw.held():  # its grads, stolen as .grad, are still in use
                 bw.stop_stealing()
                 continue
-            if runtime.pool_allows(graph):
+            blocker = runtime.pool_blocker(graph)
+            if blocker is None:
                 return graph
+            if blocker.kind != "backward":  # a graph held after this one: a holder its family can learn
+                blocker.family.learn_held(blocker)
         return None
 
     def _stale(self, key: int, args: list) -> Optional[tuple]:
@@ -191,7 +205,7 @@ class GraphFamily:
                                f"on instead of written in place")
         return None
 
-    def _learn_held(self, graph: GraphInstance) -> None:
+    def learn_held(self, graph: GraphInstance) -> None:
         """A held instance with nothing pending: the positions still referenced are kept beyond the step."""
         if graph.pending_backward:
             return
@@ -242,6 +256,10 @@ class GraphFamily:
             source.backward_ran()
             return self._run_warming(source.key, args)
         instance = source if source is not None else forward.owner_of(args) if forward is not None else None
+        handout = forward.pending_eager_run() if instance is None and forward is not None else None
+        if handout is not None:
+            handout.backward_ran()
+            return self._run_warming(handout.key, args)
         if instance is None or not instance.alive:
             return self.run_eagerly(args)  # its forward ran eagerly (cap, fallback) or was released
         instance.backward_ran()
@@ -279,6 +297,12 @@ class GraphFamily:
                 if isinstance(graph, GraphInstance) and graph.family is self:
                     return graph
         return None
+
+    def pending_eager_run(self) -> Optional[EagerHandout]:
+        """For a backward whose saved tensors name no forward call (its forward saved only its inputs and
+        parameters): the latest warmup run still pending, taken as its forward (each backward of a step marks one,
+        so all are marked by the next step, when they are read); None when none is pending."""
+        return next((h for h in reversed(list(self._eager.values())) if h.pending_backward), None)
 
     def note_saved(self, instance: GraphInstance, backward_args: Sequence[Any]) -> None:
         """Learn, once, which forward outputs the backward reads: autograd frees them after the backward, so they
@@ -354,8 +378,8 @@ class BankEntry:
         its per-argument work, redone on every call, skipped. The graph, then the version bumps the wrapper makes
         for the inputs the graph writes."""
         out = self.inference(list(args))
-        for i in self.bumps:
-            torch.autograd.graph.increment_version(args[i])
+        if self.bumps:
+            torch.autograd.graph.increment_version([args[i] for i in self.bumps])
         return out
 
     def discard(self) -> None:

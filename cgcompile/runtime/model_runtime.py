@@ -238,15 +238,19 @@ class ModelRuntime:
         self.discard(backward)
 
     def pool_allows(self, graph: GraphInstance) -> bool:
-        """Pool rule (see class docstring): no graph captured after `graph` may be held. Looks only at graphs
-        replayed since last found free, latest first, and forgets each found free."""
+        """Pool rule (see class docstring): no graph captured after `graph` may be held."""
+        return self.pool_blocker(graph) is None
+
+    def pool_blocker(self, graph: GraphInstance) -> Optional[GraphInstance]:
+        """A graph captured after `graph` that is held (its replay would be overwritten), or None. Looks only at
+        graphs replayed since last found free, latest first, and forgets each found free."""
         in_flight, position = self._in_flight, graph.pool_position
         while in_flight and in_flight[-1] > position:
             later = self._pooled[in_flight[-1]]
             if later is not None and later.held():
-                return False
+                return later
             in_flight.pop()
-        return True
+        return None
 
     def note_replay(self, graph: GraphInstance) -> None:
         """A graph replayed: it is in flight until found free. Its first replay after the call that captured it

@@ -87,7 +87,7 @@ class PartitionRunner:
     def __init__(self, submod: fx.GraphModule, name: str, static_input_indices: Sequence[int],
                  runtime: ModelRuntime, location: Optional[str], driver: Driver, frame: Optional[str] = None,
                  input_names: Sequence[str] = (), sized: bool = False,
-                 batch_at: Optional[Tuple[int, int]] = None):
+                 batch_at: Optional[Tuple[int, int]] = None, static_shapes: bool = False):
         self.submod = submod
         self.input_names = list(input_names)  # per submod input, how logs name it (see input_description)
         self.name = name
@@ -103,6 +103,7 @@ class PartitionRunner:
         # Input sizes that vary (symbolic in the trace): graphs of one kind and parameter set write their outputs
         # into shared output arenas (arena.py), so memory follows the largest size, not the number of sizes.
         self.sized = sized
+        self.static_shapes = static_shapes  # traced by Dynamo with concrete sizes: its guards fix input metadata
         self.call_key = 0  # the parameter set of the call in progress (the identity of its first parameter)
         self._args: Optional[Sequence[Any]] = None  # the call in progress
         self._dynamic: Optional[List[int]] = None  # argument positions the bank key reads (not parameters)
@@ -159,14 +160,19 @@ class PartitionRunner:
         static = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and (
             i in self.static_indices or is_param_or_buffer(a))]
         self._key_index = static[0] if static else None
-        self._dynamic = [i for i in range(len(args)) if i not in self.static_indices]
+        dynamic = [i for i in range(len(args)) if i not in self.static_indices]
+        # Traced by Dynamo without a symbolic size, the frame's guards fix every tensor input's metadata (as
+        # torch.compile's own compiled graphs trust them): only the values of non-tensor inputs can vary.
+        self._dynamic = dynamic if not self.static_shapes else [
+            i for i in dynamic if not isinstance(args[i], torch.Tensor)]
 
     def _key(self, args: Sequence[Any]) -> tuple:
         """Graph-bank key: grad/inference/autocast mode, and per argument its metadata or value.
 
         Parameters and buffers (the static indices) are left out: Dynamo's guards on the frame already fix
         their shape, stride, dtype, device and requires_grad, and a decode step's partition takes a hundred of
-        them, so keying them would cost more host time per call than the rest of the replay path."""
+        them, so keying them would cost more host time per call than the rest of the replay path. In a frame
+        traced without symbolic sizes the same holds for every tensor input (_find_positions)."""
         key: List[Any] = [torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
                           torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu"), len(args)]
         for index in self._dynamic:
@@ -526,5 +532,6 @@ def compile_partition(submod: fx.GraphModule, example_inputs: Sequence[Any], *, 
         isinstance(d, torch.SymInt) for d in v.shape)) for v in example_inputs)
     batch_at = next(((i, d) for i, v in enumerate(example_inputs) if isinstance(v, torch.Tensor)
                      for d, n in enumerate(v.shape) if batch_symbol is not None and str(n) == batch_symbol), None)
+    static_shapes = not sized and any(isinstance(v, torch.Tensor) for v in example_inputs)
     return PartitionRunner(submod, name, static_input_indices, runtime, location, driver, frame, input_names, sized,
-                           batch_at)
+                           batch_at, static_shapes)

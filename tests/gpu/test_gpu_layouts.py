@@ -27,4 +27,4 @@ def test_any_layout_replays_like_eager_on_cuda(case):
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w)
     st = cgcompile.stats()
-    assert st["eager_fallbacks"] == [] and st["graphs_captured"] >= 1 and st["replays"] >= 2, st
+    assert st["eager_fallbacks"] == [] and st["graphs_captured"] >= 1 and st["steady_replays"] >= 1, st

@@ -22,4 +22,4 @@ def test_generate_with_compile_config_gives_the_eager_tokens():
                          cache_implementation="static", compile_config=config)
     assert got.tolist() == want.tolist() and got.shape[1] == ids.shape[1] + 8
     st = cgcompile.stats()
-    assert st["eager_fallbacks"] == [] and st["graphs_captured"] >= 1 and st["replays"] >= 6, st
+    assert st["eager_fallbacks"] == [] and st["graphs_captured"] >= 1 and st["steady_replays"] >= 5, st

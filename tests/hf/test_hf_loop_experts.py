@@ -42,4 +42,4 @@ def test_loop_experts_with_dynamic_padding_capture_and_match_eager(padding):
                and any("index_add" in n for n in p.nodes)]
     assert bool(experts) == (padding != "off"), padding  # off: the data-dependent rows keep it eager
     st = cgcompile.stats()
-    assert st["eager_fallbacks"] == [] and st["graphs_captured"] >= 1 and st["replays"] >= 4, st
+    assert st["eager_fallbacks"] == [] and st["graphs_captured"] >= 1 and st["steady_replays"] >= 3, st

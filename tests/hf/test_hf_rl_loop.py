@@ -33,7 +33,7 @@ def test_rollouts_and_training_steps_alternate_with_graphs_reused_across_switche
         assert torch.equal(got, want), round_
         torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
         captured.append(cgcompile.stats()["graphs_captured"])
-        replays.append(cgcompile.stats()["replays"])
+        replays.append(cgcompile.stats()["steady_replays"])
         model.train(), reference.train()  # training steps on the rollout's tokens
         for step in range(TRAIN_STEPS):
             ids = torch.cat([got, tokens(round_ * TRAIN_STEPS + step)[:, : 8 - got.shape[1]]], 1)
@@ -49,7 +49,7 @@ def test_rollouts_and_training_steps_alternate_with_graphs_reused_across_switche
             # context: a loss kept into the next call keeps that graph busy (issue 27)
             del loss, ref
         captured.append(cgcompile.stats()["graphs_captured"])
-        replays.append(cgcompile.stats()["replays"])
+        replays.append(cgcompile.stats()["steady_replays"])
     st = cgcompile.stats()
     assert st["eager_fallbacks"] == [] and st["recaptures"] == [], st
     # round 1 warms up and captures both sides; later rounds only replay, on both sides of every switch

@@ -1,0 +1,245 @@
+"""bench_cpu table (g): what a replay costs on the host, and whether the graphs captured are reused.
+
+Host time per replay, ours vs a minimal CUDA-graph wrapper measured in the same process on the same calls: the
+minimal wrapper keys on the non-static inputs' shapes, looks the graph up in a dict, copies the non-static inputs
+into its static buffers in one call, replays, returns the static outputs (what vLLM's wrapper does; it checks no
+parameter address). Both replay the same kind of emulated graph, and during the timed calls every replay is a
+no-op returning the static outputs, so what is timed is the host work around a replay (on a GPU the replay itself
+is one graph launch). Workloads: an 8-layer KV-cache decode step in layer scope (one partition per attention and
+MLP, ~17 arguments each) and in block scope (one partition, ~120 arguments, ~110 of them parameters), and a
+training step of a model with a graph break in every layer (one compiled frame serves every layer) at 8, 24 and
+96 layers: the time inside the partition per forward call should not grow with depth.
+
+Reuse: the loops of issue 27, each through the real backend with the emulate driver: captures, live graphs and
+the share of calls after the capture step that replayed a graph captured earlier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+import cgcompile
+from cgcompile.runtime import partition_runner
+from cgcompile.runtime.emulate_driver import EmulateDriver, EmulatedGraph
+from tests.models import kv_gpt
+
+__all__ = ["decode_host_times", "depth_host_times", "reuse_rows"]
+
+
+class MinimalWrapper:
+    """Key from the non-static inputs' shapes, one dict lookup, copy them into static buffers in one call,
+    replay, return the static outputs."""
+
+    def __init__(self, fn: Callable[[list], Any], static: Sequence[int], args: Sequence[Any]):
+        self.fn, self.graphs, self.driver = fn, {}, EmulateDriver()
+        self.dynamic = [i for i, a in enumerate(args) if i not in set(static) and isinstance(a, torch.Tensor)]
+
+    def __call__(self, *args: Any) -> List[Any]:
+        key = tuple(args[i].shape for i in self.dynamic)
+        entry = self.graphs.get(key)
+        if entry is None:
+            inputs = [a.clone() if i in self.dynamic else a for i, a in enumerate(args)]
+            entry = self.graphs[key] = (self.driver.capture(self.fn, inputs), [inputs[i] for i in self.dynamic])
+        graph, buffers = entry
+        torch._foreach_copy_(buffers, [args[i] for i in self.dynamic])
+        return graph.replay()
+
+
+@contextlib.contextmanager
+def replays_as_launches():
+    """Every emulated replay returns its static outputs and runs nothing: the timed work is the host's."""
+    replay = EmulatedGraph.replay
+    EmulatedGraph.replay = lambda self: self.static_outputs
+    try:
+        yield
+    finally:
+        EmulatedGraph.replay = replay
+
+
+def _per_call(fn: Callable[[], Any], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def _recorded_calls(run: Callable[[], Any]) -> List[Tuple[Any, tuple]]:
+    """(runner, args) of each partition call `run` makes, one per runner."""
+    seen: Dict[int, Tuple[Any, tuple]] = {}
+    call = partition_runner.PartitionRunner.__call__
+
+    def recording(self, *args):
+        seen.setdefault(id(self), (self, args))
+        return call(self, *args)
+
+    partition_runner.PartitionRunner.__call__ = recording
+    try:
+        run()
+    finally:
+        partition_runner.PartitionRunner.__call__ = call
+    return list(seen.values())
+
+
+def decode_host_times(scope: str, layers: int = 8, calls: int = 200, repeats: int = 5) -> Tuple[float, float]:
+    """(ours, minimal): median host seconds per partition call of a steady decode step, averaged over its
+    partitions, interleaved repeats."""
+    torch._dynamo.reset()
+    model = kv_gpt.build(num_layers=layers).eval()
+    options = {"cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": scope, "driver": "emulate"}
+    step = torch.compile(kv_gpt.DecodeStep(model), backend="cudagraph_modules", options=options)
+    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+    with torch.no_grad():
+        kv_gpt.generate(step, model, prompt, 6)  # warmup and capture
+        recorded = _recorded_calls(lambda: kv_gpt.generate(step, model, prompt, 1))
+        ours, minimal = [], []
+        for runner, args in recorded:
+            entry = next(iter(runner.bank.values()))
+            entry.inference.copy_out = set()  # the recording kept outputs alive: not the decode loop's doing
+            wrapper = MinimalWrapper(entry.inference.run, runner.static_indices, args)
+            wrapper(*args)
+            times: Dict[str, List[float]] = {"ours": [], "minimal": []}
+            with replays_as_launches():
+                for _ in range(repeats):
+                    times["ours"].append(_per_call(lambda: runner(*args), calls))
+                    times["minimal"].append(_per_call(lambda: wrapper(*args), calls))
+            ours.append(statistics.median(times["ours"]))
+            minimal.append(statistics.median(times["minimal"]))
+    return sum(ours) / len(ours), sum(minimal) / len(minimal)
+
+
+class BreakBlock(nn.Module):
+    """A block with a graph break in the middle: Dynamo compiles its code once and reuses it for every layer."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        x = x + torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return x + torch.relu(self.b(x))
+
+
+def depth_host_times(depths: Sequence[int], steps: int = 4, repeats: int = 3) -> Dict[int, float]:
+    """Per depth: median host seconds inside a partition per forward call of a steady training step."""
+    found = {}
+    for layers in depths:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(*[BreakBlock() for _ in range(layers)])
+        compiled = torch.compile(model, backend="cudagraph_modules", options={"driver": "emulate"})
+        x = torch.randn(4, 32)
+        for _ in range(5):  # warmup and capture
+            compiled(x).sum().backward()
+        spent, count = [0.0], [0]
+        call = partition_runner.PartitionRunner.__call__
+
+        def timed(self, *args):
+            forward = torch.is_grad_enabled()
+            start = time.perf_counter()
+            try:
+                return call(self, *args)
+            finally:
+                if forward:
+                    spent[0] += time.perf_counter() - start
+                    count[0] += 1
+
+        samples = []
+        partition_runner.PartitionRunner.__call__ = timed
+        try:
+            with replays_as_launches():
+                for _ in range(repeats):
+                    spent[0], count[0] = 0.0, 0
+                    for _ in range(steps):
+                        compiled(x).sum().backward()
+                    samples.append(spent[0] / count[0])
+        finally:
+            partition_runner.PartitionRunner.__call__ = call
+        found[layers] = statistics.median(samples)
+    return found
+
+
+def _loop(model: nn.Module, batches: Callable[[int], torch.Tensor], steps: int, options: dict,
+          keep_loss: bool = True, dynamic: bool = False) -> dict:
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="cudagraph_modules", dynamic=dynamic or None,
+                             options={"driver": "emulate", **options})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cgcompile.reset_stats()
+    marks = []
+    loss = None
+    for step in range(steps):
+        opt.zero_grad()
+        loss = compiled(batches(step)).square().mean()
+        loss.backward()
+        opt.step()
+        if not keep_loss:
+            loss = None
+        rows = cgcompile.stats()["partitions"]
+        marks.append((sum(r["calls"] - r["warmup_calls"] for r in rows), sum(r["replays"] for r in rows)))
+    st = cgcompile.stats()
+    graphs = st["graphs"]
+    first = next((i for i, (calls, _) in enumerate(marks) if calls), 0)  # the capture step
+    (calls_0, replays_0), (calls_1, replays_1) = marks[first], marks[-1]
+    reuse = (replays_1 - replays_0) / (calls_1 - calls_0) if calls_1 > calls_0 else 0.0
+    return {"captured": st["graphs_captured"], "live": len(graphs), "released": st["graphs_released"],
+            "stops": len(st["bank_stops"]), "fallbacks": len(st["eager_fallbacks"]), "reuse": reuse,
+            "all_replayed": bool(graphs) and all(g["steady_replays"] > 0 for g in graphs)}
+
+
+def reuse_rows(quick: bool) -> List[Tuple[str, dict, str, bool]]:
+    """The loops of issue 27 and what the graph bank did with them: (name, counts, goal, met)."""
+    from tests.test_reuse import IslandModel
+
+    rows = []
+    steps = 6 if quick else 10
+    for keep in (True, False):
+        torch.manual_seed(0)
+        rows.append(_steady_goal(f"island context keeps an output, loss {'kept' if keep else 'deleted'}",
+                                 _loop(IslandModel(),
+                                       lambda s: torch.randn(8, 16, generator=torch.Generator().manual_seed(s)),
+                                       steps, {"cuda_graph_warmup_steps": 1}, keep_loss=keep)))
+    for layers in ((8, 16) if quick else (8, 16, 48)):
+        torch.manual_seed(0)
+        x = torch.randn(8, 32)
+        rows.append(_steady_goal(f"a break per layer, {layers} layers, fixed shapes",
+                                 _loop(nn.Sequential(*[BreakBlock() for _ in range(layers)]), lambda s: x, steps, {})))
+    torch.manual_seed(0)
+    sizes = [2, 3, 4, 5] * 5
+    row = _loop(nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 6)), lambda s: torch.randn(sizes[s], 6),
+                len(sizes), {"cuda_graph_warmup_steps": 1, "max_graphs_per_partition": 2}, dynamic=True)
+    rows.append(("max_graphs_per_partition=2, batch sizes cycling 2..5", row,
+                 "2 sizes captured (forward + backward), each graph replayed, no stop",
+                 row["captured"] == row["live"] == 4 and row["all_replayed"] and not row["stops"]))
+    row = _declared_sizes()
+    rows.append(("capture_sizes=[2, 4, 8], batches 1..8 (inference)", row, "exactly 3 captures",
+                 row["captured"] == 3 and not row["released"]))
+    return rows
+
+
+def _steady_goal(name: str, row: dict) -> Tuple[str, dict, str, bool]:
+    met = (row["captured"] == row["live"] and not row["released"] and not row["stops"] and not row["fallbacks"]
+           and row["reuse"] >= 0.95)
+    return name, row, "captured == live, nothing released, stopped or eager, reuse >= 0.95", met
+
+
+def _declared_sizes() -> dict:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)).eval()
+    compiled = torch.compile(model, backend="cudagraph_modules", dynamic=True, options={
+        "driver": "emulate", "inference_cuda_graph_scope": "block", "cuda_graph_warmup_steps": 1,
+        "capture_sizes": [2, 4, 8]})
+    cgcompile.reset_stats()
+    with torch.no_grad():
+        for batch in (1, 2, 3, 4, 5, 6, 7, 8, 3, 5, 1, 7):
+            compiled(torch.randn(batch, 8))
+    st = cgcompile.stats()
+    return {"captured": st["graphs_captured"], "live": len(st["graphs"]), "released": st["graphs_released"],
+            "stops": len(st["bank_stops"]), "fallbacks": len(st["eager_fallbacks"]), "reuse": st["reuse"]}
