@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from .passes.batch_rows import BatchLayout
-from .passes.common import Finding
 from .passes.dtensor import Redistribution
+from .reasons import Finding
 
 CAPTURE, EAGER = "capture", "eager"
 LAYER_SCOPE, BLOCK_SCOPE = "layer", "block"

@@ -11,7 +11,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .common import Finding, example_value, is_static_placeholder, node_location, node_module_path, sym_expr
+from ..reasons import Finding, Reason
+from .common import example_value, is_static_placeholder, node_location, node_module_path, sym_expr
 from .row_flow import exact_dims, row_flow
 
 __all__ = ["BatchLayout", "batch_layout", "batch_padding_blocker", "batch_symbol"]
@@ -74,12 +75,12 @@ def batch_padding_blocker(gm: fx.GraphModule, sym: Any) -> Optional[Finding]:
     for node in placeholders:
         if _plain_dims(example_value(node), sym) is None:
             read = next((n for n in node.users if node_location(n)), node)
-            return Finding("not_paddable", "input", node_location(read), node_module_path(read),
+            return Finding(Reason.NOT_PADDABLE, "input", node_location(read), node_module_path(read),
                            hint="keep the batch as its own dimension",
                            detail=f"input {node.name} has a dimension mixing the batch {sym} with another size")
     for result in results:
         if isinstance(result, fx.Node) and _plain_dims(example_value(result), sym) is None:
-            return Finding("not_paddable", "output", node_location(result), node_module_path(result),
+            return Finding(Reason.NOT_PADDABLE, "output", node_location(result), node_module_path(result),
                            hint="return the batch as its own dimension",
                            detail=f"output {result.name} has a dimension mixing the batch {sym} with another size")
     graph = fx.Graph()

@@ -1,11 +1,11 @@
-"""What every pass needs: the Finding record and how to name a node's op, user location and module."""
+"""What every pass needs: how to make a Finding (reasons.py) and how to name a node's op, user location and
+module."""
 
 from __future__ import annotations
 
 import operator
 import os
 import re
-from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional, Sequence
 
 import sympy
@@ -13,28 +13,13 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
+from ..reasons import Finding, Reason
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 _DYNAMO_ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")
 _INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-
-
-@dataclass(frozen=True)
-class Finding:
-    """Why one node cannot be captured: category, op, the user's file:line, module path, and a fix hint."""
-
-    category: str
-    op: str
-    location: Optional[str]
-    module: Optional[str]
-    hint: Optional[str] = None
-    detail: Optional[str] = None
-
-    def to_json(self) -> dict:
-        return {"category": self.category, "op": self.op, "location": self.location, "module": self.module,
-                "hint": self.hint, "detail": self.detail}
 
 
 def compute_nodes(gm: fx.GraphModule) -> Iterator[fx.Node]:
@@ -142,9 +127,10 @@ def op_name(node: fx.Node) -> str:
     return f"{module}.{name}" if module else name
 
 
-def finding(node: fx.Node, category: str, *, hint: Optional[str] = None, detail: Optional[str] = None,
-            op: Optional[str] = None) -> Finding:
-    return Finding(category, op or op_name(node), node_location(node), node_module_path(node), hint, detail)
+def finding(node: fx.Node, category: Reason, *, hint: Optional[str] = None, detail: Optional[str] = None,
+            op: Optional[str] = None, downstream: bool = False) -> Finding:
+    return Finding(category, op or op_name(node), node_location(node), node_module_path(node), hint, detail,
+                   downstream)
 
 
 def example_value(node: fx.Node) -> Any:
