@@ -61,13 +61,15 @@ def common_module(paths: Sequence[Optional[str]]) -> Optional[str]:
 
 @dataclass
 class _Run:
-    """A run of nodes being grouped: kind, the region key that may not change within it, and the layer."""
+    """A run of nodes being grouped: kind, the region key that may not change within it, and the layer.
+    `too_small`: a captured run left eager by min_partition_ops (its reason is too_small, not its region's)."""
 
     kind: str
     key: object
     layer: Optional[str]
     nodes: List[fx.Node]
     glue: bool = False
+    too_small: bool = False
 
 
 def _selected_tags(config: CudaGraphConfig) -> frozenset:
@@ -308,7 +310,7 @@ def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> Lis
     for run in runs:
         if run.kind == CAPTURE and not whole_frame and _ops(run) < config.min_partition_ops:
             run.kind = EAGER
-            run.key = "small"
+            run.too_small = True
     te_reasons: Dict[int, Finding] = {}
     if config.cuda_graph_impl == CudaGraphImpl.TRANSFORMER_ENGINE:
         for run in runs:
@@ -321,9 +323,9 @@ def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> Lis
     for run in runs:
         if coalesced and coalesced[-1].kind == run.kind == EAGER:
             coalesced[-1].nodes.extend(run.nodes)
-            coalesced[-1].key = coalesced[-1].key if coalesced[-1].key == "small" else run.key
+            coalesced[-1].too_small = coalesced[-1].too_small or run.too_small
         else:
-            coalesced.append(_Run(run.kind, run.key, run.layer, list(run.nodes), run.glue))
+            coalesced.append(_Run(run.kind, run.key, run.layer, list(run.nodes), run.glue, run.too_small))
 
     partitions = []
     for pid, run in enumerate(coalesced):
@@ -348,7 +350,7 @@ def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> Lis
                                 hint="use cuda_graph_impl='local' with inference_cuda_graph_scope 'layer' or 'block'",
                                 detail=f"no-grad graphs are not captured with inference_cuda_graph_scope="
                                        f"'{config.inference_cuda_graph_scope.value}'")
-                elif selected and not any(run_node in blocking for run_node in run.nodes) and run.key != "small":
+                elif selected and not any(run_node in blocking for run_node in run.nodes) and not run.too_small:
                     f = _not_captured_reason(node, regions[node], selected)
                 else:
                     f = Finding(Reason.TOO_SMALL, op_name(node), node_location(node), regions[node].module,
