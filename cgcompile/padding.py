@@ -33,9 +33,9 @@ import torch
 import torch.fx as fx
 
 from .config import CudaGraphConfig, DynamicPadding
-from .passes.common import (NOT_PADDABLE, PADDABLE, PADDED, compute_nodes, example_value, has_tag,
-                            input_unbacked_symbols, node_location, node_module_path, op_key, op_name, unbacked_symbols,
-                            view_root, written_args)
+from .passes.common import (compute_nodes, example_value, has_tag, input_unbacked_symbols, node_location,
+                            node_module_path, op_key, op_name, unbacked_symbols, view_root, written_args)
+from .passes.padding_marks import BUCKETED_OP_NAME, NOT_PADDABLE, PADDABLE, PADDED
 from .passes.row_flow import RowFlow, row_flow
 from .reasons import Finding, Reason
 
@@ -76,7 +76,7 @@ def bucket_for(count: int, bound: int, buckets: Sequence[int]) -> int:
     return min(size, bound)
 
 
-@torch.library.custom_op("cgcompile::nonzero_bucketed", mutates_args=())
+@torch.library.custom_op(BUCKETED_OP_NAME, mutates_args=())
 def nonzero_bucketed(masks: List[torch.Tensor], buckets: List[int]) -> List[torch.Tensor]:
     """torch.nonzero of each mask, padded with zero rows to one common size: the bucket of the largest count.
     One host read (the largest count), as one eager nonzero; the per-mask work stays on the device."""

@@ -26,8 +26,9 @@ from .config import CudaGraphConfig, CudaGraphImpl
 from .megatron_flags import unmatched_selection
 from .errors import ConfigError
 from .passes import RegionInfo, analyze, compute_nodes, module_regions, node_location
-from .passes.common import PADDED, counts_as_op, node_module_path, op_name
+from .passes.common import counts_as_op, node_module_path, op_name
 from .passes.dtensor import redistributions
+from .passes.padding_marks import PADDED
 from .passes.global_state import functorch_spans, is_state_node, state_effect
 from .plan import BLOCK_SCOPE, CAPTURE, EAGER, LAYER_SCOPE, OFF_SCOPE, GraphPlan, Partition
 from .reasons import Finding, Reason

@@ -218,27 +218,6 @@ def is_scalar_input_read(node: fx.Node) -> bool:
     return bool(getattr(source.meta.get("grapharg"), "pass_arg_as_tensor", False))
 
 
-# Node meta written by cgcompile/padding.py (dynamic_padding) and read by the passes.
-NOT_PADDABLE = "cgcompile_not_paddable"  # a data-dependent producer left eager: the not_paddable Finding
-PADDABLE = "cgcompile_paddable"  # dynamic_padding="off": this producer could be padded exactly
-PADDED = "cgcompile_padding"  # a node made or changed by a padding rewrite: its padding.Padding
-
-
-def is_bucketed_producer(node: fx.Node) -> bool:
-    """dynamic_padding="buckets": the op that reads a row count on the host and pads it to a bucket."""
-    return getattr(node.target, "name", lambda: "")() == "cgcompile::nonzero_bucketed"
-
-
-def bucketed_read(node: fx.Node) -> Optional[fx.Node]:
-    """The bucketed producer call that `node` is part of: the call itself, one of its results (getitem), or
-    the read of their common row count (sym_size), which binds the size symbol. They stay together, eager."""
-    if node.op == "call_function" and node.target is torch.ops.aten.sym_size.int:
-        node = node.args[0]
-    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int):
-        node = node.args[0]
-    return node if is_bucketed_producer(node) else None
-
-
 # Python's in-place operators (x += y traces as operator.iadd): they write their first argument
 _IN_PLACE_OPERATORS = frozenset({"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand",
                                   "ior", "ixor", "ilshift", "irshift", "imatmul"})
@@ -300,16 +279,6 @@ def input_unbacked_symbols(node: fx.Node, known: Any = frozenset()) -> set:
     symbols: set = set()
     for arg in node.all_input_nodes:
         symbols |= unbacked_symbols(example_value(arg), known)
-    return symbols
-
-
-def bucketed_symbols(gm: fx.GraphModule) -> set:
-    """Row counts of bucketed producers: known once their (eager) producer ran, so the partitions after it are
-    captured once per bucket, like backed sizes."""
-    symbols: set = set()
-    for node in compute_nodes(gm):
-        if is_bucketed_producer(node):
-            symbols |= unbacked_symbols(example_value(node))
     return symbols
 
 

@@ -13,9 +13,9 @@ import torch
 import torch.fx as fx
 
 from ..reasons import Finding, Reason
-from .common import (NOT_PADDABLE, PADDABLE, bucketed_symbols, compute_nodes, example_value, finding, has_tag,
-                     input_unbacked_symbols, is_bucketed_producer, is_scalar_input_read, scalar_input_symbols,
-                     unbacked_symbols)
+from .common import (compute_nodes, example_value, finding, has_tag, input_unbacked_symbols, is_scalar_input_read,
+                     scalar_input_symbols, unbacked_symbols)
+from .padding_marks import NOT_PADDABLE, PADDABLE, bucketed_symbols, is_bucketed_producer
 
 _ORIGIN_HINT = "use a static-shape form (torch.nonzero_static, output_size=, or pad each group to a fixed capacity)"
 _PADDABLE_HINT = ("set dynamic_padding='max' (no host sync) or 'buckets' to capture the rows it selects; "

@@ -9,8 +9,9 @@ import torch
 import torch.fx as fx
 
 from ..reasons import Finding, Reason
-from .common import (PADDED, bucketed_read, compute_nodes, example_value, finding, has_tag, input_unbacked_symbols,
-                     is_scalar_input_read, unbacked_symbols)
+from .common import (compute_nodes, example_value, finding, has_tag, input_unbacked_symbols, is_scalar_input_read,
+                     unbacked_symbols)
+from .padding_marks import PADDED, bucketed_read
 
 _SCALAR_METHODS = {
     "item": "keep the value on the device as a 0-d tensor (e.g. torch.where instead of a Python if)",
