@@ -29,7 +29,7 @@ from .passes import RegionInfo, analyze, compute_nodes, module_regions, node_loc
 from .passes.common import counts_as_op, node_module_path, op_name
 from .passes.dtensor import redistributions
 from .passes.padding_marks import PADDED
-from .passes.global_state import functorch_spans, is_state_node, state_effect
+from .passes.state_switches import functorch_spans, is_state_node, state_effect
 from .plan import BLOCK_SCOPE, CAPTURE, EAGER, LAYER_SCOPE, OFF_SCOPE, GraphPlan, Partition
 from .reasons import Finding, Reason
 

@@ -1,5 +1,5 @@
 """The batch rows of a frame (option `capture_sizes`), at plan time: which symbol is the batch, whether padding
-it is exact, and where it sits at the frame's boundary (runtime/capture_sizes.py's BatchBuckets reads that from
+it is exact, and where it sits at the frame's boundary (runtime/capture_sizes.py's BatchPadding reads that from
 the plan: which inputs to pad along which dims, which outputs to slice back)."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from ..reasons import Finding, Reason
 from .common import example_value, is_static_placeholder, node_location, node_module_path, sym_expr
 from .row_flow import exact_dims, row_flow
 
-__all__ = ["BatchLayout", "batch_layout", "batch_padding_blocker", "batch_symbol"]
+__all__ = ["BatchBoundary", "batch_boundary", "batch_padding_blocker", "batch_symbol"]
 
 
 @dataclass(frozen=True)
-class BatchLayout:
+class BatchBoundary:
     """Where the batch symbol sits at a frame's boundary, as plain data: per padded tensor input its position
     and batch dims, the integer inputs that are the batch itself, per output its batch dims, and the integer
     outputs that are the batch."""
@@ -89,12 +89,12 @@ def batch_padding_blocker(gm: fx.GraphModule, sym: Any) -> Optional[Finding]:
     return row_flow(fx.GraphModule(gm, graph), sym, allow_sinks=False).blocker
 
 
-def batch_layout(gm: fx.GraphModule, sym: Any) -> BatchLayout:
-    """The BatchLayout of `sym` in gm (only meaningful when batch_padding_blocker found nothing)."""
+def batch_boundary(gm: fx.GraphModule, sym: Any) -> BatchBoundary:
+    """The BatchBoundary of `sym` in gm (only meaningful when batch_padding_blocker found nothing)."""
     placeholders, results = _boundary(gm)
     values = [example_value(n) for n in placeholders]
     outs = [example_value(r) if isinstance(r, fx.Node) else None for r in results]
-    return BatchLayout(
+    return BatchBoundary(
         str(sym),
         tuple((i, _plain_dims(v, sym)) for i, v in enumerate(values)
               if isinstance(v, torch.Tensor) and _plain_dims(v, sym)),

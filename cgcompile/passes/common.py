@@ -222,8 +222,9 @@ def is_scalar_input_read(node: fx.Node) -> bool:
 _IN_PLACE_OPERATORS = frozenset({"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand",
                                   "ior", "ixor", "ilshift", "irshift", "imatmul"})
 # ops whose result shares its first argument's memory: a write through them writes that argument
-VIEW_OPS = frozenset({"view", "reshape", "view_as", "transpose", "permute", "squeeze", "unsqueeze", "narrow", "select",
-                      "expand", "t", "flatten", "unflatten", "as_strided", "getitem", "__getitem__", "detach"})
+ALIASING_OPS = frozenset({"view", "reshape", "view_as", "transpose", "permute", "squeeze", "unsqueeze", "narrow",
+                          "select", "expand", "t", "flatten", "unflatten", "as_strided", "getitem", "__getitem__",
+                          "detach"})
 
 
 def schema_writes(schema: Any, args: Sequence[Any], kwargs: dict) -> List[Any]:
@@ -255,7 +256,7 @@ def written_args(node: fx.Node) -> List[fx.Node]:
 def view_root(node: fx.Node) -> fx.Node:
     """The tensor a chain of views/indexing starts from (what an in-place write through it changes)."""
     while node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], fx.Node) \
-            and op_key(node) in VIEW_OPS:
+            and op_key(node) in ALIASING_OPS:
         node = node.args[0]
     return node
 
