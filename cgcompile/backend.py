@@ -24,8 +24,8 @@ from .logs import register_with_torch_logs
 from .padding import pad_dynamic_rows
 from .passes import input_description, is_static_placeholder, node_location
 from .passes.common import frame_name
-from .passes.batch_rows import batch_layout, batch_padding_blocker, batch_symbol
-from .runtime.capture_sizes import BatchBuckets
+from .passes.batch_rows import batch_boundary, batch_padding_blocker, batch_symbol
+from .runtime.capture_sizes import BatchPadding
 from .runtime.drivers import device_of
 from .runtime.fsdp import keeper_for, resharded_inputs
 from .runtime.model_runtime import ModelRuntime
@@ -75,7 +75,7 @@ def make_plan(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGra
             graph_plan.batch_symbol = str(sym)
             graph_plan.batch_padding_refused = batch_padding_blocker(gm, sym)
             if graph_plan.batch_padding_refused is None:
-                graph_plan.batch_layout = batch_layout(gm, sym)
+                graph_plan.batch_boundary = batch_boundary(gm, sym)
     return graph_plan
 
 
@@ -188,7 +188,7 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
             static_input_indices=[i for i, n in enumerate(inputs) if n.name in static_names], runtime=runtime,
             location=first or _first_location(submod), frame=frame_name(submod),
             input_names=[input_description(by_name[n.name]) if n.name in by_name else n.name for n in inputs],
-            batch_symbol=graph_plan.batch_symbol if graph_plan.batch_layout is not None else None)
+            batch_symbol=graph_plan.batch_symbol if graph_plan.batch_boundary is not None else None)
         if config.verify:
             wrapped = VerifiedPartition(wrapped, submod, f"graph {graph_plan.index} {name}", config.verify,
                                         skip=config.cuda_graph_warmup_steps)
@@ -205,8 +205,9 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
         return runtime.finish_frame_outputs(forward(*args))
 
     run.runtime = runtime  # type: ignore[attr-defined]  # for tests and tools
-    if graph_plan.batch_layout is not None:
-        return BatchBuckets(graph_plan.batch_layout, run, gm.forward, config.capture_sizes, f"graph {graph_plan.index}")
+    if graph_plan.batch_boundary is not None:
+        return BatchPadding(graph_plan.batch_boundary, run, gm.forward, config.capture_sizes,
+                            f"graph {graph_plan.index}")
     return run
 
 

@@ -135,7 +135,7 @@ class CudaGraphConfig:
             cannot be proven stay eager with reason ``not_paddable``.
         dynamic_padding_buckets: bucket sizes for ``buckets`` (positive, increasing); empty = powers of two.
             Counts above the largest bucket pad to the static upper bound.
-        capture_sizes: batch-size buckets for serving (vLLM's approach), off when empty. With a dynamic batch
+        capture_sizes: the batch sizes to capture for serving (vLLM's approach), off when empty. With a dynamic batch
             dimension, each call's batch is padded up to the next size listed and the outputs sliced back, so
             a changing batch replays one graph per listed size; larger batches run eagerly (counted, logged
             once). Applied only where every op keeps the batch rows independent (the plan says why not).

@@ -163,7 +163,7 @@ def full_iteration_error(graph: GraphPlan) -> str:
         if not p.captured:
             for r in p.reasons:
                 unique.setdefault((r.category, r.op, r.location), r)
-    causes = [r for r in unique.values() if not is_downstream(r)]
+    causes = [r for r in unique.values() if not r.downstream]
     downstream = len(unique) - len(causes)
     lines = [f"cuda_graph_impl='full_iteration' needs the whole step in one graph, but graph {graph.index} has "
              f"{len(causes)} op(s) that cannot be captured:"]
@@ -175,8 +175,3 @@ def full_iteration_error(graph: GraphPlan) -> str:
         lines.append(f"  (and {downstream} op(s) whose shapes depend on their results)")
     lines.append("Fix them, or use cuda_graph_impl='local' to capture around them.")
     return "\n".join(lines)
-
-
-def is_downstream(finding) -> bool:
-    """A dynamic-shape finding on an op that only consumes a data-dependent size (not its origin)."""
-    return finding.category == "dynamic_shape" and finding.hint is None

@@ -33,10 +33,11 @@ import torch
 import torch.fx as fx
 
 from .config import CudaGraphConfig, DynamicPadding
-from .passes.common import (NOT_PADDABLE, PADDABLE, PADDED, Finding, compute_nodes, example_value, has_tag,
-                            input_unbacked_symbols, node_location, node_module_path, op_key, op_name, unbacked_symbols,
-                            view_root, written_args)
+from .passes.common import (compute_nodes, example_value, has_tag, input_unbacked_symbols, node_location,
+                            node_module_path, op_key, op_name, unbacked_symbols, view_root, written_args)
+from .passes.padding_marks import BUCKETED_OP_NAME, NOT_PADDABLE, PADDABLE, PADDED
 from .passes.row_flow import RowFlow, row_flow
+from .reasons import Finding, Reason
 
 __all__ = ["Padding", "bucket_for", "nonzero_bucketed", "pad_dynamic_rows"]
 
@@ -75,7 +76,7 @@ def bucket_for(count: int, bound: int, buckets: Sequence[int]) -> int:
     return min(size, bound)
 
 
-@torch.library.custom_op("cgcompile::nonzero_bucketed", mutates_args=())
+@torch.library.custom_op(BUCKETED_OP_NAME, mutates_args=())
 def nonzero_bucketed(masks: List[torch.Tensor], buckets: List[int]) -> List[torch.Tensor]:
     """torch.nonzero of each mask, padded with zero rows to one common size: the bucket of the largest count.
     One host read (the largest count), as one eager nonzero; the per-mask work stays on the device."""
@@ -149,7 +150,7 @@ def _copy_meta(new: fx.Node, like: fx.Node, padding: Optional[Padding]) -> fx.No
 
 def _not_paddable(producer: _Producer, blocker: Finding) -> Finding:
     node = producer.node
-    return Finding("not_paddable", blocker.op, blocker.location, blocker.module, hint=blocker.hint,
+    return Finding(Reason.NOT_PADDABLE, blocker.op, blocker.location, blocker.module, hint=blocker.hint,
                    detail=f"{op_name(node)} at {node_location(node) or '?'} stays eager: {blocker.detail}")
 
 
@@ -289,7 +290,7 @@ def pad_dynamic_rows(gm: fx.GraphModule, config: CudaGraphConfig) -> Dict[str, P
     for producer, flow in flows:  # every flow is found on the unchanged graph, then the rewrites run
         bound = example_value(producer.source).numel()
         if flow.ok and not isinstance(bound, int):
-            flow.blocker = Finding("not_paddable", op_name(producer.node), node_location(producer.node),
+            flow.blocker = Finding(Reason.NOT_PADDABLE, op_name(producer.node), node_location(producer.node),
                                    node_module_path(producer.node), hint="give the mask a static shape",
                                    detail="its input has a dynamic size, so there is no static bound")
         if not flow.ok:

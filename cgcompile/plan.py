@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from .passes.batch_rows import BatchLayout
-from .passes.common import Finding
+from .passes.batch_rows import BatchBoundary
 from .passes.dtensor import Redistribution
+from .reasons import Finding
 
 CAPTURE, EAGER = "capture", "eager"
 LAYER_SCOPE, BLOCK_SCOPE = "layer", "block"
@@ -64,7 +64,7 @@ class GraphPlan:
     batch_symbol: Optional[str] = None
     batch_padding_refused: Optional[Finding] = None
     # where the batch sits at the frame's boundary, when capture_sizes pads it (passes/batch_rows.py)
-    batch_layout: Optional[BatchLayout] = None
+    batch_boundary: Optional[BatchBoundary] = None
 
     @property
     def node_to_partition(self) -> Dict[str, int]:
@@ -79,7 +79,7 @@ class GraphPlan:
                 "partitions": [p.to_json() for p in self.partitions], "batch_symbol": self.batch_symbol,
                 "batch_padding_refused": (self.batch_padding_refused.to_json()
                                           if self.batch_padding_refused else None),
-                "batch_layout": self.batch_layout.to_json() if self.batch_layout else None}
+                "batch_boundary": self.batch_boundary.to_json() if self.batch_boundary else None}
 
 
 @dataclass(frozen=True)

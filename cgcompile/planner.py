@@ -25,11 +25,13 @@ import torch.fx as fx
 from .config import CudaGraphConfig, CudaGraphImpl
 from .megatron_flags import unmatched_selection
 from .errors import ConfigError
-from .passes import Finding, RegionInfo, analyze, compute_nodes, module_regions, node_location
-from .passes.common import PADDED, counts_as_op, node_module_path, op_name
+from .passes import RegionInfo, analyze, compute_nodes, module_regions, node_location
+from .passes.common import counts_as_op, node_module_path, op_name
 from .passes.dtensor import redistributions
-from .passes.global_state import functorch_spans, is_state_node, state_effect
+from .passes.padding_marks import PADDED
+from .passes.state_switches import functorch_spans, is_state_node, state_effect
 from .plan import BLOCK_SCOPE, CAPTURE, EAGER, LAYER_SCOPE, OFF_SCOPE, GraphPlan, Partition
+from .reasons import Finding, Reason
 
 
 def layer_of(module: Optional[str]) -> Optional[str]:
@@ -60,13 +62,15 @@ def common_module(paths: Sequence[Optional[str]]) -> Optional[str]:
 
 @dataclass
 class _Run:
-    """A run of nodes being grouped: kind, the region key that may not change within it, and the layer."""
+    """A run of nodes being grouped: kind, the region key that may not change within it, and the layer.
+    `too_small`: a captured run left eager by min_partition_ops (its reason is too_small, not its region's)."""
 
     kind: str
     key: object
     layer: Optional[str]
     nodes: List[fx.Node]
     glue: bool = False
+    too_small: bool = False
 
 
 def _selected_tags(config: CudaGraphConfig) -> frozenset:
@@ -123,7 +127,7 @@ def plan_graph(gm: fx.GraphModule, config: CudaGraphConfig, index: int = 0, *, t
     for node in nodes:
         info = regions[node]
         if info.eager_module is not None:
-            blocking[node] = Finding("eager_region", op_name(node), node_location(node), node_module_path(node),
+            blocking[node] = Finding(Reason.EAGER_REGION, op_name(node), node_location(node), node_module_path(node),
                                      hint="the module is marked cgcompile.eager_region",
                                      detail=f"inside eager_region {info.eager_module}")
         elif node in findings:
@@ -239,7 +243,7 @@ def _selected_runs(nodes, regions, blocking, selected, config) -> List[_Run]:
     for node in nodes:
         region = region_of[node]
         # scalar-input reads run at the top of the graph (hoist_scalar_input_reads), outside every region
-        if region is not None and node in blocking and blocking[node].category != "scalar_input":
+        if region is not None and node in blocking and blocking[node].category != Reason.SCALAR_INPUT:
             poisoned.setdefault(region[0], []).append(blocking[node])
     if poisoned and config.strict:
         lines = [f"  {path}: {f.category} {f.op} at {f.location}" for path, fs in poisoned.items() for f in fs]
@@ -292,10 +296,10 @@ def _selected_runs(nodes, regions, blocking, selected, config) -> List[_Run]:
 def _not_captured_reason(node: fx.Node, info: RegionInfo, selected) -> Finding:
     if info.tagged:
         tag = info.tagged[-1][1]
-        return Finding("not_selected", op_name(node), node_location(node), info.module,
+        return Finding(Reason.NOT_SELECTED, op_name(node), node_location(node), info.module,
                        hint=f"add '{tag}' to cuda_graph_modules to capture it",
                        detail=f"module tag '{tag}' is not in cuda_graph_modules")
-    return Finding("untagged", op_name(node), node_location(node), info.module,
+    return Finding(Reason.UNTAGGED, op_name(node), node_location(node), info.module,
                    hint="tag its module with cgcompile.tag(...), or leave cuda_graph_modules empty to capture "
                         "every capture-safe span",
                    detail="not inside a selected module")
@@ -307,7 +311,7 @@ def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> Lis
     for run in runs:
         if run.kind == CAPTURE and not whole_frame and _ops(run) < config.min_partition_ops:
             run.kind = EAGER
-            run.key = "small"
+            run.too_small = True
     te_reasons: Dict[int, Finding] = {}
     if config.cuda_graph_impl == CudaGraphImpl.TRANSFORMER_ENGINE:
         for run in runs:
@@ -320,15 +324,15 @@ def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> Lis
     for run in runs:
         if coalesced and coalesced[-1].kind == run.kind == EAGER:
             coalesced[-1].nodes.extend(run.nodes)
-            coalesced[-1].key = coalesced[-1].key if coalesced[-1].key == "small" else run.key
+            coalesced[-1].too_small = coalesced[-1].too_small or run.too_small
         else:
-            coalesced.append(_Run(run.kind, run.key, run.layer, list(run.nodes), run.glue))
+            coalesced.append(_Run(run.kind, run.key, run.layer, list(run.nodes), run.glue, run.too_small))
 
     partitions = []
     for pid, run in enumerate(coalesced):
         tags: Dict[str, None] = {}
         for node in run.nodes:
-            if node in blocking and blocking[node].category == "scalar_input":
+            if node in blocking and blocking[node].category == Reason.SCALAR_INPUT:
                 continue  # hoisted to the top: its module is where the number is used, not where it runs
             tagged = regions[node].innermost_tag(selected or None)
             if tagged is not None:
@@ -343,14 +347,14 @@ def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> Lis
             if not reasons:
                 node = next((n for n in run.nodes if counts_as_op(n)), run.nodes[0])
                 if scope == OFF_SCOPE:
-                    f = Finding("disabled", "-", None, None,
+                    f = Finding(Reason.DISABLED, "-", None, None,
                                 hint="use cuda_graph_impl='local' with inference_cuda_graph_scope 'layer' or 'block'",
                                 detail=f"no-grad graphs are not captured with inference_cuda_graph_scope="
                                        f"'{config.inference_cuda_graph_scope.value}'")
-                elif selected and not any(run_node in blocking for run_node in run.nodes) and run.key != "small":
+                elif selected and not any(run_node in blocking for run_node in run.nodes) and not run.too_small:
                     f = _not_captured_reason(node, regions[node], selected)
                 else:
-                    f = Finding("too_small", op_name(node), node_location(node), regions[node].module,
+                    f = Finding(Reason.TOO_SMALL, op_name(node), node_location(node), regions[node].module,
                                 hint="lower min_partition_ops to capture it",
                                 detail=f"{num_ops} ops < min_partition_ops={config.min_partition_ops}: "
                                        f"replay overhead would eat the gain")
@@ -366,7 +370,7 @@ def _disabled(partition: Partition) -> Partition:
     capture, each eager with the reason, so the user sees what enabling capture would do."""
     if not partition.captured:
         return partition
-    reason = Finding("disabled", "-", None, partition.module, hint="set cuda_graph_impl to 'local' to capture",
+    reason = Finding(Reason.DISABLED, "-", None, partition.module, hint="set cuda_graph_impl to 'local' to capture",
                      detail="would be captured; cuda_graph_impl is 'none'")
     return dataclasses.replace(partition, kind=EAGER, reasons=(reason,))
 
@@ -399,7 +403,7 @@ def _te_restriction(nodes: List[fx.Node]) -> Optional[Finding]:
             values = value if isinstance(value, (list, tuple)) else [value]
             bad = next((v for v in values if not isinstance(v, torch.Tensor)), None)
             if values and bad is not None or value is None:
-                return Finding("te_restriction", op_name(node), node_location(node), node_module_path(node),
+                return Finding(Reason.TE_RESTRICTION, op_name(node), node_location(node), node_module_path(node),
                                hint="make the value a tensor, or use cuda_graph_impl='local'",
                                detail=f"transformer_engine graphs take and return tensors only; this partition "
                                       f"{verb} {value_node.name} = {value!r}")

@@ -26,7 +26,7 @@ SYNC_OPS = frozenset({"aten::nonzero", "aten::_local_scalar_dense", "aten::maske
 
 # view, metadata and allocation ops: no kernel runs, so they cost no launch (the runtime hands outputs out as
 # detach() aliases)
-VIEW_OPS = frozenset("aten::" + name for name in (
+NO_KERNEL_OPS = frozenset("aten::" + name for name in (
     "new_empty", "new_empty_strided", "sym_size", "detach", "alias", "view", "_unsafe_view", "reshape",
     "_reshape_alias", "as_strided", "slice", "select", "unsqueeze", "squeeze", "transpose", "permute", "expand", "t", "unbind", "split", "split_with_sizes", "chunk",
     "narrow", "lift_fresh", "empty", "empty_strided", "empty_like", "resolve_conj", "resolve_neg", "view_as",
@@ -66,7 +66,7 @@ def count_events(events) -> Tuple[int, int, int]:
         if not _is_op(event.name) or _inside(event, REPLAY_RANGE):
             continue
         root = _op_root(event)
-        if root is event and event.name not in VIEW_OPS:
+        if root is event and event.name not in NO_KERNEL_OPS:
             tops.add(id(event))
         if event.name in SYNC_OPS:
             sync_tops.add(id(root))

@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from .passes.common import is_scalar_input_read
-from .passes.global_state import grad_mode_after
+from .passes.state_switches import grad_mode_after
 from .plan import GraphPlan
 
 

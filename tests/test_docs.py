@@ -3,7 +3,6 @@ has an API entry, every Python snippet runs on the CPU (or says why it needs a G
 the snippets print, the option table and the troubleshooting page cover what the code defines, and README stays
 a short front page whose links resolve. Snippet conventions: tests/doc_snippets.py."""
 
-import ast
 import os
 import pathlib
 import re
@@ -13,6 +12,7 @@ import sys
 import pytest
 
 import cgcompile
+from cgcompile.reasons import Reason
 from tests.doc_snippets import (DOCS, REPO, check_printed, fences, gpu_only_reason, page_name, pages,
                                 python_snippets, run_page)
 
@@ -88,29 +88,8 @@ def test_stats_table_lists_every_key_stats_returns():
     assert set(re.findall(r"^\| `(\w+)` \|", section, re.M)) == set(cgcompile.stats())
 
 
-def reason_categories():
-    """Every category a Finding is made with in the package: Finding("x", ...) and finding(node, "x", ...), the
-    category a string literal or a module-level string constant of the same file."""
-    found = set()
-    for path in (REPO / "cgcompile").rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        constants = {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
-                     and isinstance(node.value, ast.Constant) for target in node.targets if isinstance(target, ast.Name)}
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("Finding", "finding"):
-                position = 0 if node.func.id == "Finding" else 1
-                if len(node.args) <= position:
-                    continue
-                argument = node.args[position]
-                if isinstance(argument, ast.Constant):
-                    found.add(argument.value)
-                elif isinstance(argument, ast.Name) and argument.id in constants:
-                    found.add(constants[argument.id])
-    return found
-
-
 def test_troubleshooting_explains_every_reason_category_and_no_other():
-    categories = reason_categories()
+    categories = {reason.value for reason in Reason}
     assert {"host_sync", "dynamic_shape", "not_paddable", "fsdp_resharded_params"} <= categories, categories
     page = (DOCS / "troubleshooting.md").read_text()
     plan_section = page[page.index("## Plan reasons"):page.index("## At run time")]

@@ -14,7 +14,7 @@ from torch._higher_order_ops.associative_scan import associative_scan
 
 import cgcompile
 from cgcompile.backend import record_plans
-from cgcompile.runtime.global_state import GlobalState
+from cgcompile.runtime.thread_state import GlobalState
 
 D = 8
 OPTIONS = {"driver": "emulate", "cuda_graph_warmup_steps": 1, "min_partition_ops": 1}
@@ -209,7 +209,7 @@ def test_every_partition_leaves_grad_mode_as_it_found_it(scalar_outputs):
     from cgcompile.backend import make_plan
     from cgcompile.config import CudaGraphConfig
     from cgcompile.split import split
-    from cgcompile.passes.global_state import grad_mode_after
+    from cgcompile.passes.state_switches import grad_mode_after
 
     graphs = []
     torch.compile(NoGradStats(), backend=lambda gm, example: (graphs.append((gm, example)), gm.forward)[1])(

@@ -194,3 +194,27 @@ def test_parameters_and_buffers_are_static_placeholders():
     plain = {n.target for n in gm.graph.nodes if n.op == "placeholder"} - static
     assert len(plain) == 1
     assert any("running_mean" in t for t in static) and any("weight" in t for t in static)
+
+
+def test_every_finding_is_made_with_a_reason_member():
+    """Categories are spelled once, in cgcompile/reasons.py: no Finding(...) or finding(node, ...) in the package
+    passes a bare string as its category (the JSON still holds the member's string value)."""
+    import ast
+    import pathlib
+
+    from cgcompile.reasons import Finding, Reason
+
+    bare = []
+    for path in (pathlib.Path(HERE).parent.parent / "cgcompile").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("Finding", "finding"):
+                position = 0 if node.func.id == "Finding" else 1
+                category = node.args[position] if len(node.args) > position else next(
+                    (k.value for k in node.keywords if k.arg == "category"), None)
+                member = (isinstance(category, ast.Attribute) and isinstance(category.value, ast.Name)
+                          and category.value.id == "Reason")
+                passed_on = isinstance(category, ast.Name) and category.id == "category"  # finding()'s own parameter
+                if not (member or passed_on):
+                    bare.append(f"{path.name}:{node.lineno}")
+    assert bare == []
+    assert Finding(Reason.HOST_SYNC, "Tensor.item", None, None).to_json()["category"] == "host_sync"

@@ -11,7 +11,7 @@ import torch
 import cgcompile
 from cgcompile.explain import Plan
 from cgcompile.plan import CAPTURE, EAGER, GraphBreak, GraphPlan, Partition
-from cgcompile.passes import Finding
+from cgcompile.reasons import Finding, Reason
 from tests.models import MODELS
 
 
@@ -113,7 +113,7 @@ def test_widths_follow_op_counts(moe_plan):
 
 def _hostile_plan() -> Plan:
     evil = '<script>alert("x")</script>'
-    reason = Finding("host_sync", "Tensor.item", 'a<b>&"c".py:7', "layers.0.<m>", hint="use & not <and>",
+    reason = Finding(Reason.HOST_SYNC, "Tensor.item", 'a<b>&"c".py:7', "layers.0.<m>", hint="use & not <and>",
                      detail="reads 'value' > 0")
     parts = [Partition(0, CAPTURE, ("attn&mlp",), evil, 10, (), ("a",)),
              Partition(1, EAGER, (), "layers.0.<m>", 1, (reason,), ("b",)),

@@ -10,7 +10,9 @@ from typing import Callable, Dict, List
 import torch.fx as fx
 
 from .collectives import find_data_dependent_collectives
-from .common import Finding, compute_nodes, input_description, is_static_placeholder, node_location, node_module_path, op_name
+from ..reasons import Finding
+from .common import (compute_nodes, input_description, is_static_placeholder, node_location, node_module_path,
+                     op_name)
 from .custom_ops import find_cudagraph_unsafe_ops
 from .dtensor import find_data_dependent_redistributions
 from .dynamic_shapes import find_data_dependent_shapes

@@ -1,5 +1,5 @@
 """The batch rows of a frame (option `capture_sizes`), at plan time: which symbol is the batch, whether padding
-it is exact, and where it sits at the frame's boundary (runtime/capture_sizes.py's BatchBuckets reads that from
+it is exact, and where it sits at the frame's boundary (runtime/capture_sizes.py's BatchPadding reads that from
 the plan: which inputs to pad along which dims, which outputs to slice back)."""
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .common import Finding, example_value, is_static_placeholder, node_location, node_module_path, sym_expr
+from ..reasons import Finding, Reason
+from .common import example_value, is_static_placeholder, node_location, node_module_path, sym_expr
 from .row_flow import exact_dims, row_flow
 
-__all__ = ["BatchLayout", "batch_layout", "batch_padding_blocker", "batch_symbol"]
+__all__ = ["BatchBoundary", "batch_boundary", "batch_padding_blocker", "batch_symbol"]
 
 
 @dataclass(frozen=True)
-class BatchLayout:
+class BatchBoundary:
     """Where the batch symbol sits at a frame's boundary, as plain data: per padded tensor input its position
     and batch dims, the integer inputs that are the batch itself, per output its batch dims, and the integer
     outputs that are the batch."""
@@ -74,12 +75,12 @@ def batch_padding_blocker(gm: fx.GraphModule, sym: Any) -> Optional[Finding]:
     for node in placeholders:
         if _plain_dims(example_value(node), sym) is None:
             read = next((n for n in node.users if node_location(n)), node)
-            return Finding("not_paddable", "input", node_location(read), node_module_path(read),
+            return Finding(Reason.NOT_PADDABLE, "input", node_location(read), node_module_path(read),
                            hint="keep the batch as its own dimension",
                            detail=f"input {node.name} has a dimension mixing the batch {sym} with another size")
     for result in results:
         if isinstance(result, fx.Node) and _plain_dims(example_value(result), sym) is None:
-            return Finding("not_paddable", "output", node_location(result), node_module_path(result),
+            return Finding(Reason.NOT_PADDABLE, "output", node_location(result), node_module_path(result),
                            hint="return the batch as its own dimension",
                            detail=f"output {result.name} has a dimension mixing the batch {sym} with another size")
     graph = fx.Graph()
@@ -88,12 +89,12 @@ def batch_padding_blocker(gm: fx.GraphModule, sym: Any) -> Optional[Finding]:
     return row_flow(fx.GraphModule(gm, graph), sym, allow_sinks=False).blocker
 
 
-def batch_layout(gm: fx.GraphModule, sym: Any) -> BatchLayout:
-    """The BatchLayout of `sym` in gm (only meaningful when batch_padding_blocker found nothing)."""
+def batch_boundary(gm: fx.GraphModule, sym: Any) -> BatchBoundary:
+    """The BatchBoundary of `sym` in gm (only meaningful when batch_padding_blocker found nothing)."""
     placeholders, results = _boundary(gm)
     values = [example_value(n) for n in placeholders]
     outs = [example_value(r) if isinstance(r, fx.Node) else None for r in results]
-    return BatchLayout(
+    return BatchBoundary(
         str(sym),
         tuple((i, _plain_dims(v, sym)) for i, v in enumerate(values)
               if isinstance(v, torch.Tensor) and _plain_dims(v, sym)),

@@ -30,8 +30,9 @@ from typing import Dict, Iterable, List, Optional
 import torch
 import torch.fx as fx
 
-from .common import (Finding, compute_nodes, example_value, input_unbacked_symbols, node_location, node_module_path,
-                     op_name, short_location, unbacked_symbols)
+from ..reasons import Finding, Reason
+from .common import (compute_nodes, example_value, input_unbacked_symbols, node_location, node_module_path, op_name,
+                     short_location, unbacked_symbols)
 
 _NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d"})
 _WAIT_OPS = frozenset({"wait_tensor"})
@@ -43,7 +44,7 @@ _GRAPH_BREAK_HINT = ("; with torch._dynamo.config.capture_scalar_outputs=True th
 
 
 def _finding(node: fx.Node, hint: str, detail: str) -> Finding:
-    return Finding("collective", op_name(node), node_location(node), node_module_path(node), hint, detail)
+    return Finding(Reason.COLLECTIVE, op_name(node), node_location(node), node_module_path(node), hint, detail)
 
 
 def _namespace_and_name(target) -> tuple:

@@ -1,11 +1,11 @@
-"""What every pass needs: the Finding record and how to name a node's op, user location and module."""
+"""What every pass needs: how to make a Finding (reasons.py) and how to name a node's op, user location and
+module."""
 
 from __future__ import annotations
 
 import operator
 import os
 import re
-from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional, Sequence
 
 import sympy
@@ -13,28 +13,13 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
+from ..reasons import Finding, Reason
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 _DYNAMO_ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")
 _INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-
-
-@dataclass(frozen=True)
-class Finding:
-    """Why one node cannot be captured: category, op, the user's file:line, module path, and a fix hint."""
-
-    category: str
-    op: str
-    location: Optional[str]
-    module: Optional[str]
-    hint: Optional[str] = None
-    detail: Optional[str] = None
-
-    def to_json(self) -> dict:
-        return {"category": self.category, "op": self.op, "location": self.location, "module": self.module,
-                "hint": self.hint, "detail": self.detail}
 
 
 def compute_nodes(gm: fx.GraphModule) -> Iterator[fx.Node]:
@@ -142,9 +127,10 @@ def op_name(node: fx.Node) -> str:
     return f"{module}.{name}" if module else name
 
 
-def finding(node: fx.Node, category: str, *, hint: Optional[str] = None, detail: Optional[str] = None,
-            op: Optional[str] = None) -> Finding:
-    return Finding(category, op or op_name(node), node_location(node), node_module_path(node), hint, detail)
+def finding(node: fx.Node, category: Reason, *, hint: Optional[str] = None, detail: Optional[str] = None,
+            op: Optional[str] = None, downstream: bool = False) -> Finding:
+    return Finding(category, op or op_name(node), node_location(node), node_module_path(node), hint, detail,
+                   downstream)
 
 
 def example_value(node: fx.Node) -> Any:
@@ -232,33 +218,13 @@ def is_scalar_input_read(node: fx.Node) -> bool:
     return bool(getattr(source.meta.get("grapharg"), "pass_arg_as_tensor", False))
 
 
-# Node meta written by cgcompile/padding.py (dynamic_padding) and read by the passes.
-NOT_PADDABLE = "cgcompile_not_paddable"  # a data-dependent producer left eager: the not_paddable Finding
-PADDABLE = "cgcompile_paddable"  # dynamic_padding="off": this producer could be padded exactly
-PADDED = "cgcompile_padding"  # a node made or changed by a padding rewrite: its padding.Padding
-
-
-def is_bucketed_producer(node: fx.Node) -> bool:
-    """dynamic_padding="buckets": the op that reads a row count on the host and pads it to a bucket."""
-    return getattr(node.target, "name", lambda: "")() == "cgcompile::nonzero_bucketed"
-
-
-def bucketed_read(node: fx.Node) -> Optional[fx.Node]:
-    """The bucketed producer call that `node` is part of: the call itself, one of its results (getitem), or
-    the read of their common row count (sym_size), which binds the size symbol. They stay together, eager."""
-    if node.op == "call_function" and node.target is torch.ops.aten.sym_size.int:
-        node = node.args[0]
-    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int):
-        node = node.args[0]
-    return node if is_bucketed_producer(node) else None
-
-
 # Python's in-place operators (x += y traces as operator.iadd): they write their first argument
 _IN_PLACE_OPERATORS = frozenset({"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand",
                                   "ior", "ixor", "ilshift", "irshift", "imatmul"})
 # ops whose result shares its first argument's memory: a write through them writes that argument
-VIEW_OPS = frozenset({"view", "reshape", "view_as", "transpose", "permute", "squeeze", "unsqueeze", "narrow", "select",
-                      "expand", "t", "flatten", "unflatten", "as_strided", "getitem", "__getitem__", "detach"})
+ALIASING_OPS = frozenset({"view", "reshape", "view_as", "transpose", "permute", "squeeze", "unsqueeze", "narrow",
+                          "select", "expand", "t", "flatten", "unflatten", "as_strided", "getitem", "__getitem__",
+                          "detach"})
 
 
 def schema_writes(schema: Any, args: Sequence[Any], kwargs: dict) -> List[Any]:
@@ -290,7 +256,7 @@ def written_args(node: fx.Node) -> List[fx.Node]:
 def view_root(node: fx.Node) -> fx.Node:
     """The tensor a chain of views/indexing starts from (what an in-place write through it changes)."""
     while node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], fx.Node) \
-            and op_key(node) in VIEW_OPS:
+            and op_key(node) in ALIASING_OPS:
         node = node.args[0]
     return node
 
@@ -314,16 +280,6 @@ def input_unbacked_symbols(node: fx.Node, known: Any = frozenset()) -> set:
     symbols: set = set()
     for arg in node.all_input_nodes:
         symbols |= unbacked_symbols(example_value(arg), known)
-    return symbols
-
-
-def bucketed_symbols(gm: fx.GraphModule) -> set:
-    """Row counts of bucketed producers: known once their (eager) producer ran, so the partitions after it are
-    captured once per bucket, like backed sizes."""
-    symbols: set = set()
-    for node in compute_nodes(gm):
-        if is_bucketed_producer(node):
-            symbols |= unbacked_symbols(example_value(node))
     return symbols
 
 

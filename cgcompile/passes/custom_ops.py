@@ -7,7 +7,8 @@ from typing import Dict, List
 import torch
 import torch.fx as fx
 
-from .common import Finding, compute_nodes, finding
+from ..reasons import Finding, Reason
+from .common import compute_nodes, finding
 
 
 def _unsafe(target) -> bool:
@@ -19,6 +20,6 @@ def _unsafe(target) -> bool:
 
 
 def find_cudagraph_unsafe_ops(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
-    return {node: [finding(node, "cudagraph_unsafe", detail="the op is tagged torch.Tag.cudagraph_unsafe",
+    return {node: [finding(node, Reason.CUDAGRAPH_UNSAFE, detail="the op is tagged torch.Tag.cudagraph_unsafe",
                            hint="the op's author marked it unsafe to capture; it runs eagerly")]
             for node in compute_nodes(gm) if _unsafe(node.target)}

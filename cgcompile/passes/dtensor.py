@@ -27,8 +27,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch.fx as fx
 
-from .common import (Finding, compute_nodes, example_value, node_location, node_module_path, op_name,
-                     unbacked_symbols)
+from ..reasons import Finding, Reason
+from .common import compute_nodes, example_value, node_location, node_module_path, op_name, unbacked_symbols
 
 _REDISTRIBUTING_METHODS = frozenset({"redistribute", "full_tensor"})
 _HINT = ("give the redistributed tensor a static shape (pad the selected rows to a fixed capacity, e.g. with "
@@ -138,7 +138,7 @@ def find_data_dependent_redistributions(gm: fx.GraphModule) -> Dict[fx.Node, Lis
         if symbols:
             names = ", ".join(sorted(str(s) for s in symbols))
             what = ", ".join(f"{c.collective} over {c.mesh_dim}" for c in collectives)
-            found[node] = [Finding("collective", op_name(node), node_location(node), node_module_path(node), _HINT,
+            found[node] = [Finding(Reason.COLLECTIVE, op_name(node), node_location(node), node_module_path(node), _HINT,
                                    f"DTensor redistribution ({what}) of a tensor whose shape depends on tensor data "
                                    f"({names})")]
     return found

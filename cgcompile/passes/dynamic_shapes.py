@@ -12,9 +12,10 @@ from typing import Dict, List
 import torch
 import torch.fx as fx
 
-from .common import (NOT_PADDABLE, PADDABLE, Finding, bucketed_symbols, compute_nodes, example_value, finding, has_tag,
-                     input_unbacked_symbols, is_bucketed_producer, is_scalar_input_read, scalar_input_symbols,
-                     unbacked_symbols)
+from ..reasons import Finding, Reason
+from .common import (compute_nodes, example_value, finding, has_tag, input_unbacked_symbols, is_scalar_input_read,
+                     scalar_input_symbols, unbacked_symbols)
+from .padding_marks import NOT_PADDABLE, PADDABLE, bucketed_symbols, is_bucketed_producer
 
 _ORIGIN_HINT = "use a static-shape form (torch.nonzero_static, output_size=, or pad each group to a fixed capacity)"
 _PADDABLE_HINT = ("set dynamic_padding='max' (no host sync) or 'buckets' to capture the rows it selects; "
@@ -39,12 +40,13 @@ def find_data_dependent_shapes(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding
         elif new_symbols or has_tag(node, torch.Tag.dynamic_output_shape):
             names = ", ".join(sorted(str(s) for s in new_symbols)) or "its output"
             hint = _PADDABLE_HINT if node.meta.get(PADDABLE) else _ORIGIN_HINT
-            found[node] = [finding(node, "dynamic_shape", hint=hint,
+            found[node] = [finding(node, Reason.DYNAMIC_SHAPE, hint=hint,
                                    detail=f"output shape depends on tensor data ({names})")]
         elif out_symbols or in_symbols:
             sym = sorted(out_symbols | in_symbols, key=str)[0]
             origin = origin_of.get(sym)
-            source = f" from {origin.name}" if origin is not None else ""
-            found[node] = [finding(node, "dynamic_shape", hint=_ORIGIN_HINT if origin is None else None,
-                                   detail=f"works on a data-dependent size ({sym}{source})")]
+            downstream = origin is not None  # fixing the origin fixes this op: no hint of its own
+            source = f" from {origin.name}" if downstream else ""
+            found[node] = [finding(node, Reason.DYNAMIC_SHAPE, hint=None if downstream else _ORIGIN_HINT,
+                                   detail=f"works on a data-dependent size ({sym}{source})", downstream=downstream)]
     return found

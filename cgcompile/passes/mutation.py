@@ -10,7 +10,8 @@ from typing import Dict, List
 
 import torch.fx as fx
 
-from .common import Finding, compute_nodes, finding, is_static_placeholder, view_root, written_args
+from ..reasons import Finding, Reason
+from .common import compute_nodes, finding, is_static_placeholder, view_root, written_args
 
 def find_input_mutations(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
     found: Dict[fx.Node, List[Finding]] = {}
@@ -20,7 +21,7 @@ def find_input_mutations(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
             continue
         root = view_root(written[0])
         if root.op == "placeholder" and not is_static_placeholder(root):
-            found[node] = [finding(node, "input_mutation",
+            found[node] = [finding(node, Reason.INPUT_MUTATION,
                                    detail=f"mutates graph input '{root.target}' in place (needs a copy-back)",
                                    hint="mutate a clone, or register the tensor as a module buffer so it is static")]
     return found

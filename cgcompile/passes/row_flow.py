@@ -24,7 +24,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
-from .common import Finding, example_value, finding, op_key, op_name, sym_expr, unbacked_symbols
+from ..reasons import Finding, Reason
+from .common import example_value, finding, op_key, op_name, sym_expr, unbacked_symbols
 
 __all__ = ["RowFlow", "Sink", "row_flow"]
 
@@ -150,7 +151,7 @@ class _Walker:
 
     def block(self, node: fx.Node, why: str, hint: str) -> None:
         if self.flow.blocker is None:
-            self.flow.blocker = finding(node, "not_paddable", hint=hint, detail=why)
+            self.flow.blocker = finding(node, Reason.NOT_PADDABLE, hint=hint, detail=why)
 
     def run(self) -> RowFlow:
         for node in self.gm.graph.nodes:

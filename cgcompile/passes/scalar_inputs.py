@@ -10,10 +10,11 @@ from typing import Dict, List
 
 import torch.fx as fx
 
-from .common import Finding, compute_nodes, finding, is_scalar_input_read
+from ..reasons import Finding, Reason
+from .common import compute_nodes, finding, is_scalar_input_read
 
 
 def find_scalar_input_reads(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
-    return {node: [finding(node, "scalar_input", detail="reads a Python number Dynamo passed in as a tensor; "
+    return {node: [finding(node, Reason.SCALAR_INPUT, detail="reads a Python number Dynamo passed in as a tensor; "
                                                         "captured partitions get its value as an argument")]
             for node in compute_nodes(gm) if is_scalar_input_read(node)}

@@ -8,8 +8,10 @@ from typing import Dict, List
 import torch
 import torch.fx as fx
 
-from .common import (PADDED, Finding, bucketed_read, compute_nodes, example_value, finding, has_tag,
-                     input_unbacked_symbols, is_scalar_input_read, unbacked_symbols)
+from ..reasons import Finding, Reason
+from .common import (compute_nodes, example_value, finding, has_tag, input_unbacked_symbols, is_scalar_input_read,
+                     unbacked_symbols)
+from .padding_marks import PADDED, bucketed_read
 
 _SCALAR_METHODS = {
     "item": "keep the value on the device as a 0-d tensor (e.g. torch.where instead of a Python if)",
@@ -98,27 +100,27 @@ def find_host_syncs(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
             padding = producer.meta[PADDED]
             what = (f"the largest of {padding.group} selected row counts" if padding.group > 1
                     else "the selected row count")
-            found[node] = [finding(producer, "host_sync", op=padding.op,
+            found[node] = [finding(producer, Reason.HOST_SYNC, op=padding.op,
                                    hint="dynamic_padding='max' needs no host read at all",
                                    detail=f"dynamic_padding='buckets' reads {what} on the host once and pads "
                                           f"to the next bucket")]
             continue
         name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
         if node.op == "call_method" and name in _SCALAR_METHODS:
-            found[node] = [finding(node, "host_sync", hint=_SCALAR_METHODS[name],
+            found[node] = [finding(node, Reason.HOST_SYNC, hint=_SCALAR_METHODS[name],
                                    detail=f"Tensor.{name}() copies a device value to the host")]
         elif node.target in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
-            found[node] = [finding(node, "host_sync", hint=_SCALAR_METHODS["item"],
+            found[node] = [finding(node, Reason.HOST_SYNC, hint=_SCALAR_METHODS["item"],
                                    detail="reads a device scalar on the host")]
         elif _library_op_name(node) in _SYNCING_LIBRARY_OPS:
             detail, hint = _SYNCING_LIBRARY_OPS[_library_op_name(node)]
-            found[node] = [finding(node, "host_sync", hint=hint, detail=detail)]
+            found[node] = [finding(node, Reason.HOST_SYNC, hint=hint, detail=detail)]
         elif _copies_to_cpu(node):
-            found[node] = [finding(node, "host_sync", hint=_CPU_COPY_HINT, detail="copies a tensor to the CPU")]
+            found[node] = [finding(node, Reason.HOST_SYNC, hint=_CPU_COPY_HINT, detail="copies a tensor to the CPU")]
         elif has_tag(node, torch.Tag.data_dependent_output):
-            found[node] = [finding(node, "host_sync", hint="compare on the device and keep the result a tensor",
+            found[node] = [finding(node, Reason.HOST_SYNC, hint="compare on the device and keep the result a tensor",
                                    detail="its Python result depends on device values")]
         elif _produces_unbacked_scalar(node):
-            found[node] = [finding(node, "host_sync", hint=_SCALAR_METHODS["item"],
+            found[node] = [finding(node, Reason.HOST_SYNC, hint=_SCALAR_METHODS["item"],
                                    detail="produces a Python scalar from device data")]
     return found

@@ -40,7 +40,7 @@ import torch
 
 from .. import _compat
 from .driver import CaptureError
-from .layout import copy_into
+from .strided_copy import copy_into
 from .memory_claim import MemoryClaim
 
 __all__ = ["ArenaGroup", "OutputArena", "OutputLayout", "arena_capacity", "largest_capacity", "output_layouts",

@@ -1,13 +1,13 @@
-"""Batch-size buckets (option `capture_sizes`): pad the batch to the next captured size, slice the outputs back.
+"""Batch padding (option `capture_sizes`): pad the batch to the next captured size, slice the outputs back.
 
 A server whose batch changes every step would otherwise record one graph per batch size (vLLM pads to a few
 capture sizes for the same reason). The backend sees the frame after Dynamo: with a dynamic batch dimension
 (automatic dynamic after the first size change, `dynamic=True`, or `torch._dynamo.mark_dynamic`) the frame's
-user inputs carry a backed size symbol on dim 0 (s0). Per call, `BatchBuckets`:
+user inputs carry a backed size symbol on dim 0 (s0). Per call, `BatchPadding`:
 
 - pads every tensor input whose dims are exactly that symbol with zero rows (token id 0, position 0: in range)
   up to the next listed size, and passes the padded size for the symbol's own integer input (which inputs and
-  dims: the plan's BatchLayout, found at plan time by passes/batch_rows.py);
+  dims: the plan's BatchBoundary, found at plan time by passes/batch_rows.py);
 - runs the compiled frame, whose partitions then keep one graph per listed size in their graph bank;
 - slices every output dim sized by the symbol back to the real batch (integer outputs equal to it too).
 
@@ -27,24 +27,24 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..counters import add as count
-from ..passes.batch_rows import BatchLayout
+from ..passes.batch_rows import BatchBoundary
 
-__all__ = ["BatchBuckets"]
+__all__ = ["BatchPadding"]
 
 log = logging.getLogger("cgcompile")
 
 
-class BatchBuckets:
+class BatchPadding:
     """Wraps a compiled frame: pad the batch to the next capture size, run, slice back (see module docstring)."""
 
-    def __init__(self, layout: BatchLayout, run: Callable[..., Any], eager: Callable[..., Any], sizes: Sequence[int],
-                 name: str):
+    def __init__(self, boundary: BatchBoundary, run: Callable[..., Any], eager: Callable[..., Any],
+                 sizes: Sequence[int], name: str):
         self.run, self.eager, self.name = run, eager, name
         self.sizes = sorted(sizes)
-        self.pad_inputs = list(layout.pad_inputs)
-        self.size_inputs = list(layout.size_inputs)
-        self.out_dims = list(layout.out_dims)
-        self.size_outputs = set(layout.size_outputs)
+        self.pad_inputs = list(boundary.pad_inputs)
+        self.size_inputs = list(boundary.size_inputs)
+        self.out_dims = list(boundary.out_dims)
+        self.size_outputs = set(boundary.size_outputs)
         self._overflow_logged = False
         self.runtime = getattr(run, "runtime", None)
 

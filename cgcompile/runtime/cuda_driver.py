@@ -15,7 +15,7 @@ import torch
 from .. import _compat
 from .capture_guard import capture_guard
 from .driver import CaptureError, CapturedGraph, Driver, Fn
-from .global_state import preserved_global_state
+from .thread_state import preserved_global_state
 from .write_undo import WriteUndo
 
 log = logging.getLogger("cgcompile")

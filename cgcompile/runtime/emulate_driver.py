@@ -39,8 +39,8 @@ import torch
 from .. import _compat
 from .capture_guard import capture_guard
 from .driver import CaptureError, CapturedGraph, Driver, Fn, StaleReplayError, emulating
-from .global_state import preserved_global_state
-from .layout import broadcast_core, copy_into
+from .thread_state import preserved_global_state
+from .strided_copy import broadcast_core, copy_into
 from .user_frames import user_location
 from .write_undo import WriteUndo
 

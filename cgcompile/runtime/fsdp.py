@@ -22,12 +22,11 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch.fx as fx
 
 from .. import _compat
-from ..passes.common import Finding
+from ..reasons import Finding, Reason
 from . import release as releases
 
 log = logging.getLogger("cgcompile")
 
-FSDP_RESHARDED = "fsdp_resharded_params"
 _NAMES_SHOWN = 4
 
 
@@ -56,7 +55,7 @@ def resharded_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], keep: bo
     found = _fsdp_inputs(example_inputs)
     names = _placeholders(gm)
     return {names[i].name: Finding(
-        FSDP_RESHARDED, "-", None, None,
+        Reason.FSDP_RESHARDED_PARAMS, "-", None, None,
         hint="options={'fsdp_keep_unsharded': True} keeps them unsharded and captures (their unsharded bytes stay "
              "resident), or fully_shard(..., reshard_after_forward=False)",
         detail=f"reads FSDP2 parameter {p.fqn}: reshard_after_forward=True frees it after forward and gathers it "

@@ -54,8 +54,8 @@ from ..counters import add_replay
 from ..passes.common import written_args
 from .arena import ArenaGroup, OutputArena, OutputLayout, output_layouts, span_bytes, writing_into
 from .driver import CaptureError, CapturedGraph, Driver
-from .global_state import preserved_global_state
-from .layout import copy_into, static_copy, uncopyable_reason
+from .thread_state import preserved_global_state
+from .strided_copy import copy_into, static_copy, uncopyable_reason
 from .memory_claim import MemoryClaim
 from .write_undo import WriteUndo
 

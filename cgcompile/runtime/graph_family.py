@@ -31,7 +31,7 @@ import torch.fx as fx
 from .. import _compat
 from ..passes.collectives import collective_counts
 from .arena import OutputLayout, output_layouts
-from .global_state import preserved_global_state
+from .thread_state import preserved_global_state
 from .graph import GraphInstance, capture_instance, mutated_inputs
 from .traced_strides import keep_traced_strides
 

@@ -48,7 +48,7 @@ from .. import _compat, counters
 from ..errors import ConfigError
 from ..split import replace_submodule
 from .cuda_driver import end_generator_capture
-from .global_state import preserved_global_state
+from .thread_state import preserved_global_state
 from .graph import is_param_or_buffer, storage_ptr
 from .release import register
 

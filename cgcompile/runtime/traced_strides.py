@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from ..passes.common import written_args
-from .layout import overlaps_itself
+from .strided_copy import overlaps_itself
 
 __all__ = ["keep_traced_strides", "restride", "traced_layout_differs"]
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from .. import _compat, counters
-from .global_state import RngState, preserved_global_state
+from .thread_state import RngState, preserved_global_state
 
 log = logging.getLogger("cgcompile")
 

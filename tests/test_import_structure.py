@@ -129,7 +129,7 @@ def test_renderers_import_the_plan_never_the_reverse():
 
 def test_architecture_page_lists_every_module():
     page = (ROOT.parent / "docs" / "architecture.md").read_text()
-    layout = page[page.index("## Module map"):]
+    module_map = page[page.index("## Module map"):]
     for path in MODULES.values():
         relative = path.relative_to(ROOT).as_posix()
-        assert f"| `{relative}` |" in layout or f"| `cgcompile/{relative}` |" in layout, relative
+        assert f"| `{relative}` |" in module_map or f"| `cgcompile/{relative}` |" in module_map, relative
