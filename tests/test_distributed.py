@@ -122,7 +122,8 @@ def _emulated_steps(rank, group):
                             for p, q in zip(eager.parameters(), model.parameters()))
             diffs.append({"loss_diff": abs(ref.item() - out.item()), "grad_diff": grad_diff})
     counters = stats()
-    return {"steps": diffs, "stats": {k: counters[k] for k in ("graphs_captured", "replays", "eager_fallbacks")}}
+    return {"steps": diffs, "stats": {k: counters[k] for k in ("graphs_captured", "replays", "steady_replays",
+                                                                "eager_fallbacks")}}
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:

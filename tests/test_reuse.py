@@ -16,6 +16,14 @@ import cgcompile
 from cgcompile.runtime import live_runtimes
 
 
+@pytest.fixture(autouse=True)
+def _no_graphs_from_earlier_tests():
+    """stats()["graphs"] lists every live graph of the process: start from none."""
+    torch._dynamo.reset()  # releases every graph through the backend's reset hook
+    cgcompile.release()
+    yield
+
+
 def _steady(stats) -> int:
     return stats["steady_replays"]
 

@@ -23,6 +23,7 @@ then handed out as copies (one device copy each), which the holder may keep as l
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import torch
@@ -94,7 +95,7 @@ class GraphFamily:
         self.moving: Set[int] = set()  # written inputs seen at other addresses: copied in and back
         self._eager: Dict[int, EagerHandout] = {}  # per parameter set, its last warmup run
         self._warmed: Set[int] = set()  # parameter sets this graph ran for on the driver's warmup stream
-        self._written: Dict[int, tuple] = {}  # per parameter set, the addresses of written inputs at its last warmup
+        self._written: Dict[int, list] = {}  # per parameter set, the written inputs (weakly) of its last warmup
 
     # calls ---------------------------------------------------------------------------------------------------
 
@@ -114,13 +115,16 @@ class GraphFamily:
         return out
 
     def _watch_written(self, key: int, args: list) -> None:
-        """Warmup calls tell whether an input the graph writes comes at the same address every call (read in place
-        once captured) or not (copied in and back): what the first capture does."""
-        addresses = tuple(args[i].data_ptr() if isinstance(args[i], torch.Tensor) else 0 for i in sorted(self.mutated))
+        """Warmup calls tell whether an input the graph writes is the same tensor every call (read in place once
+        captured) or not (copied in and back from the first capture): identity, not address, since a fresh tensor
+        may land where the last one was freed."""
+        positions = sorted(self.mutated)
+        now = [weakref.ref(args[i]) if isinstance(args[i], torch.Tensor) else None for i in positions]
         before = self._written.get(key)
         if before is not None:
-            self.moving.update(i for i, a, b in zip(sorted(self.mutated), addresses, before) if a != b)
-        self._written[key] = addresses
+            self.moving.update(i for i, a, b in zip(positions, now, before)
+                               if a is not None and (b is None or b() is not a()))
+        self._written[key] = now
 
     def _run_warming(self, key: int, args: list) -> Any:
         """An eager run on the driver's warmup stream (per-stream library state then exists before a capture on

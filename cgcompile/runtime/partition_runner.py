@@ -159,7 +159,8 @@ class PartitionRunner:
     def _find_positions(self, args: Sequence[Any]) -> None:
         static = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and (
             i in self.static_indices or is_param_or_buffer(a))]
-        self._key_index = static[0] if static else None
+        parameters = [i for i in static if isinstance(args[i], torch.nn.Parameter)]
+        self._key_index = (parameters or static or [None])[0]
         dynamic = [i for i in range(len(args)) if i not in self.static_indices]
         # Traced by Dynamo without a symbolic size, the frame's guards fix every tensor input's metadata (as
         # torch.compile's own compiled graphs trust them): only the values of non-tensor inputs can vary.
@@ -533,5 +534,10 @@ def compile_partition(submod: fx.GraphModule, example_inputs: Sequence[Any], *, 
     batch_at = next(((i, d) for i, v in enumerate(example_inputs) if isinstance(v, torch.Tensor)
                      for d, n in enumerate(v.shape) if batch_symbol is not None and str(n) == batch_symbol), None)
     static_shapes = not sized and any(isinstance(v, torch.Tensor) for v in example_inputs)
-    return PartitionRunner(submod, name, static_input_indices, runtime, location, driver, frame, input_names, sized,
+    # A static input with a symbolic size (a KV cache sized by the batch that capture_sizes pads) is a new tensor
+    # at every size: it cannot be read in place at a fixed address.
+    static = [i for i in static_input_indices
+              if not (i < len(example_inputs) and isinstance(example_inputs[i], torch.Tensor)
+                      and any(isinstance(d, torch.SymInt) for d in example_inputs[i].shape))]
+    return PartitionRunner(submod, name, static, runtime, location, driver, frame, input_names, sized,
                            batch_at, static_shapes)

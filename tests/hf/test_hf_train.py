@@ -10,7 +10,8 @@ import cgcompile
 from cgcompile.backend import record_plans
 from tests.hf.families import CONFIGS, MOE_FAMILIES, build, train_like_eager
 
-OPTIONS = {"cuda_graph_impl": "local", "driver": "emulate", "cuda_graph_modules": []}
+# one warmup step: step 2 captures, steps 3 and 4 must replay what it captured
+OPTIONS = {"cuda_graph_impl": "local", "driver": "emulate", "cuda_graph_modules": [], "cuda_graph_warmup_steps": 1}
 STEPS = 4
 HF_LOCATION = re.compile(r"transformers/[\w/.]+\.py:\d+$")
 DECODER_LAYER = re.compile(r"(model\.layers|transformer\.h)\.\d+")
