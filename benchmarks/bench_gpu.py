@@ -489,6 +489,22 @@ def goal_rows(all_results: Dict[str, Dict[str, Result]], judged: bool = True) ->
     return rows
 
 
+def host_time_rows(device: str, quick: bool) -> None:
+    """Host time per replay, cgcompile vs a minimal CUDA-graph wrapper in this process (benchmarks/replay_cost.py,
+    bench_cpu's table (g) on real graphs): the 8-layer KV decode in layer and block scope. Goal: <= 2x."""
+    import replay_cost
+
+    print("\nhost time per replay, same process, medians (goal <= 2.00x the minimal wrapper)")
+    for scope in ("layer", "block"):
+        try:
+            ours, minimal = replay_cost.decode_host_times(scope, calls=50 if quick else 200,
+                                                          repeats=3 if quick else 5, device=device)
+        except Exception as exc:
+            print(f"  decode {scope} scope: n/a: {error_line(exc)}")
+            continue
+        print(f"  decode {scope} scope: {ours * 1e6:.1f} us vs minimal {minimal * 1e6:.1f} us: {ours / minimal:.2f}x")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer timed and profiled steps")
@@ -572,6 +588,8 @@ def main(argv=None) -> int:
         del workload
         cleanup(cuda)
 
+    if "decode" in models:
+        host_time_rows(device if cuda else "cpu", args.quick)
     rows = goal_rows(all_results, judged=cuda)
     if rows:
         widths = [max(len(r[i]) for r in rows) for i in range(2)]

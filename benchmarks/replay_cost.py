@@ -3,9 +3,9 @@
 Host time per replay, ours vs a minimal CUDA-graph wrapper measured in the same process on the same calls: the
 minimal wrapper keys on the non-static inputs' shapes, looks the graph up in a dict, copies the non-static inputs
 into its static buffers in one call, replays, returns the static outputs (what vLLM's wrapper does; it checks no
-parameter address). Both replay the same kind of emulated graph, and during the timed calls every replay is a
-no-op returning the static outputs, so what is timed is the host work around a replay (on a GPU the replay itself
-is one graph launch). Workloads: an 8-layer KV-cache decode step in layer scope (one partition per attention and
+parameter address). Both replay the same kind of graph. On the CPU every emulated replay is made a no-op returning
+the static outputs during the timed calls, so what is timed is the host work around a replay (on a GPU the replay
+itself is one graph launch); bench_gpu.py times the same on CUDA with real graphs. Workloads: an 8-layer KV-cache decode step in layer scope (one partition per attention and
 MLP, ~17 arguments each) and in block scope (one partition, ~120 arguments, ~110 of them parameters), and a
 training step of a model with a graph break in every layer (one compiled frame serves every layer) at 8, 24 and
 96 layers: the time inside the partition per forward call should not grow with depth.
@@ -26,7 +26,7 @@ import torch.nn as nn
 
 import cgcompile
 from cgcompile.runtime import partition_runner
-from cgcompile.runtime.emulate_driver import EmulateDriver, EmulatedGraph
+from cgcompile.runtime.emulate_driver import EmulatedGraph
 from tests.models import kv_gpt
 
 __all__ = ["decode_host_times", "depth_host_times", "reuse_rows"]
@@ -36,8 +36,8 @@ class MinimalWrapper:
     """Key from the non-static inputs' shapes, one dict lookup, copy them into static buffers in one call,
     replay, return the static outputs."""
 
-    def __init__(self, fn: Callable[[list], Any], static: Sequence[int], args: Sequence[Any]):
-        self.fn, self.graphs, self.driver = fn, {}, EmulateDriver()
+    def __init__(self, fn: Callable[[list], Any], static: Sequence[int], args: Sequence[Any], driver: Any):
+        self.fn, self.graphs, self.driver = fn, {}, driver
         self.dynamic = [i for i, a in enumerate(args) if i not in set(static) and isinstance(a, torch.Tensor)]
 
     def __call__(self, *args: Any) -> List[Any]:
@@ -86,14 +86,22 @@ def _recorded_calls(run: Callable[[], Any]) -> List[Tuple[Any, tuple]]:
     return list(seen.values())
 
 
-def decode_host_times(scope: str, layers: int = 8, calls: int = 200, repeats: int = 5) -> Tuple[float, float]:
+def decode_host_times(scope: str, layers: int = 8, calls: int = 200, repeats: int = 5,
+                      device: str = "cpu") -> Tuple[float, float]:
     """(ours, minimal): median host seconds per partition call of a steady decode step, averaged over its
-    partitions, interleaved repeats."""
+    partitions, interleaved repeats. On CUDA both replay real graphs (host time: the calls are not synchronized;
+    the device catches up after each timed loop); on the CPU emulated replays are made no-ops."""
+    from cgcompile.runtime.drivers import get_driver
+
+    cuda = device != "cpu"
     torch._dynamo.reset()
-    model = kv_gpt.build(num_layers=layers).eval()
-    options = {"cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": scope, "driver": "emulate"}
+    model = kv_gpt.build(num_layers=layers).to(device).eval()
+    options = {"cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": scope,
+               "driver": "cuda" if cuda else "emulate"}
     step = torch.compile(kv_gpt.DecodeStep(model), backend="cudagraph_modules", options=options)
-    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8, device=device)
+    timing = contextlib.nullcontext if cuda else replays_as_launches
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     with torch.no_grad():
         kv_gpt.generate(step, model, prompt, 6)  # warmup and capture
         recorded = _recorded_calls(lambda: kv_gpt.generate(step, model, prompt, 1))
@@ -101,13 +109,16 @@ def decode_host_times(scope: str, layers: int = 8, calls: int = 200, repeats: in
         for runner, args in recorded:
             entry = next(iter(runner.bank.values()))
             entry.inference.copy_out = set()  # the recording kept outputs alive: not the decode loop's doing
-            wrapper = MinimalWrapper(entry.inference.run, runner.static_indices, args)
+            wrapper = MinimalWrapper(entry.inference.run, runner.static_indices, args,
+                                     get_driver(options["driver"], device))
             wrapper(*args)
             times: Dict[str, List[float]] = {"ours": [], "minimal": []}
-            with replays_as_launches():
+            with timing():
                 for _ in range(repeats):
                     times["ours"].append(_per_call(lambda: runner(*args), calls))
+                    sync()
                     times["minimal"].append(_per_call(lambda: wrapper(*args), calls))
+                    sync()
             ours.append(statistics.median(times["ours"]))
             minimal.append(statistics.median(times["minimal"]))
     return sum(ours) / len(ours), sum(minimal) / len(minimal)

@@ -8,14 +8,12 @@ import copy
 import logging
 
 import expecttest
-import pytest
 import torch
 import torch.nn as nn
 
 import cgcompile
 from cgcompile.runtime import bank_policy
 from tests.bank_run import moe_bank_run
-from tests.models import MODELS
 
 # whole-layer mode: mlp() below is one captured partition (its small runs join across the layer cuts)
 OPTIONS = {"cuda_graph_impl": "local", "cuda_graph_modules": [], "driver": "emulate", "cuda_graph_warmup_steps": 1}

@@ -90,9 +90,7 @@ def test_emulate_runs_without_autograd():
 
 
 def test_eager_driver_captures_nothing():
-    assert not EagerDriver().captures
-    with pytest.raises(TypeError, match="captures nothing"):
-        EagerDriver().capture(_fn, [torch.randn(3, 4), torch.randn(4, 2)])
+    assert not EagerDriver().captures  # the runtime runs such partitions as they are, never calling capture()
 
 
 def test_get_driver():

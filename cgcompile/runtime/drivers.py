@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from .cuda_driver import CudaDriver
-from .driver import CapturedGraph, Driver, Fn
+from .driver import Driver
 from .emulate_driver import EmulateDriver
 
 __all__ = ["EagerDriver", "captures_on", "device_of", "get_driver"]
@@ -20,10 +20,6 @@ class EagerDriver(Driver):
 
     name = "eager"
     captures = False
-
-    def capture(self, fn: Fn, static_inputs: Sequence[Any], pool: Any = None, *,
-                warmup: bool = True, written: Sequence[int] = ()) -> CapturedGraph:
-        raise TypeError("the eager driver captures nothing: check Driver.captures first")
 
 
 def get_driver(name: str, device: Any) -> Driver:
