@@ -243,7 +243,7 @@ def test_bench_cpu_judges_the_ratio_it_prints():
 
 def test_bench_cpu_quick_table():
     out = run_script("bench_cpu.py", "--quick", "--emulate", timeout=420)  # table (e) adds 3 short MoE runs
-    rows = [line for line in out.splitlines() if line.startswith("(")]
+    rows = [line for line in out.splitlines() if line.startswith("(") and not line.startswith("(g)")]
     assert [r[:3] for r in rows] == ["(a)", "(a)", "(b)", "(b)", "(c)"]
     for row in rows:
         m = re.search(r"(\d+\.\d+)x\s+<= (\d+\.\d+)x\s+(PASS|MISS)$", row)
@@ -261,6 +261,13 @@ def test_bench_cpu_quick_table():
     assert all(row[-1] == "PASS" for key, row in bank.items() if key[1] == "8x64"), bank  # bounded, kept graphs hit
     held, own = bank[("buckets", "3x32")][3], bank[("buckets", "3x32")][4]  # held at the last step; no arenas
     assert float(held.split("/")[1]) < float(own)  # bucket sizes that repeat share their outputs' memory
+    replay = out.split("(g) host time per replay")[1].split("(g) reuse")[0].splitlines()[1:5]
+    for row in replay:  # timings: informational on a shared CPU, but each verdict agrees with its printed ratio
+        m = re.search(r": (\d+\.\d+)x, goal <= (\d+\.\d+)x  (PASS|MISS)$", row)
+        assert m, row
+        assert m[3] == ("PASS" if float(m[1]) <= float(m[2]) else "MISS"), row
+    reuse = out.split("(g) reuse")[1].splitlines()[1:7]
+    assert len(reuse) == 6 and all(row.endswith("PASS") for row in reuse), reuse  # counts: deterministic
     if "HF MoE (f): skipped" not in out:  # transformers installed: its quick run is bf16 only
         hf = {line.split()[1]: line.split() for line in out.split("HF MoE (f)")[1].splitlines()[2:4]}
         assert list(hf) == ["eager", "captured"] and hf["eager"][0] == "bfloat16"
