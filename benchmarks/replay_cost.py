@@ -241,15 +241,13 @@ def _steady_goal(name: str, row: dict) -> Tuple[str, dict, str, bool]:
 
 
 def _declared_sizes() -> dict:
+    from tests.test_reuse import DECLARED_SIZES_BATCHES, declared_sizes_model
+
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)).eval()
-    compiled = torch.compile(model, backend="cudagraph_modules", dynamic=True, options={
-        "driver": "emulate", "inference_cuda_graph_scope": "block", "cuda_graph_warmup_steps": 1,
-        "capture_sizes": [2, 4, 8]})
+    _, compiled = declared_sizes_model()
     cgcompile.reset_stats()
     with torch.no_grad():
-        for batch in (1, 2, 3, 4, 5, 6, 7, 8, 3, 5, 1, 7):
+        for batch in DECLARED_SIZES_BATCHES:
             compiled(torch.randn(batch, 8))
     st = cgcompile.stats()
     return {"captured": st["graphs_captured"], "live": len(st["graphs"]), "released": st["graphs_released"],

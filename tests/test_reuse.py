@@ -186,15 +186,23 @@ def test_a_cap_with_cycling_sizes_captures_up_to_the_cap_and_replays_those():
     assert all(g["steady_replays"] == 3 for g in st["graphs"])  # captured in round 2, replayed in rounds 3 to 5
 
 
-def test_declared_capture_sizes_are_captured_once_each():
+DECLARED_SIZES_BATCHES = (1, 2, 3, 4, 5, 6, 7, 8, 3, 5, 1, 7)
+
+
+def declared_sizes_model():
+    """(model, compiled): an MLP served with capture_sizes=[2, 4, 8] (also bench_cpu's table (g))."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)).eval()
-    compiled = torch.compile(model, backend="cudagraph_modules", dynamic=True, options={
+    return model, torch.compile(model, backend="cudagraph_modules", dynamic=True, options={
         "driver": "emulate", "inference_cuda_graph_scope": "block", "cuda_graph_warmup_steps": 1,
         "capture_sizes": [2, 4, 8]})
+
+
+def test_declared_capture_sizes_are_captured_once_each():
+    model, compiled = declared_sizes_model()
     cgcompile.reset_stats()
     with torch.no_grad():
-        for bs in (1, 2, 3, 4, 5, 6, 7, 8, 3, 5, 1, 7):
+        for bs in DECLARED_SIZES_BATCHES:
             x = torch.randn(bs, 8, generator=torch.Generator().manual_seed(bs))
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-6, atol=1e-6)
     st = cgcompile.stats()
