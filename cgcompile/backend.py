@@ -29,7 +29,7 @@ from .runtime.capture_sizes import BatchPadding
 from .runtime.drivers import device_of
 from .runtime.fsdp import keeper_for, resharded_inputs
 from .runtime.model_runtime import ModelRuntime
-from .runtime.partition_runner import compile_partition
+from .runtime.compile_partition import compile_partition
 from .runtime.release import release
 from .runtime.te import TEFrame, resolve_graphing_fn
 from .runtime.verify import VerifiedPartition

@@ -9,7 +9,8 @@ from .driver import CaptureError, CapturedGraph, Driver, StaleReplayError, is_ca
 from .drivers import get_driver
 from .graph import GraphInstance
 from .model_runtime import ModelRuntime, live_runtimes
-from .partition_runner import PartitionRunner, compile_partition
+from .compile_partition import compile_partition
+from .partition_runner import PartitionRunner
 
 __all__ = ["CaptureError", "CapturedGraph", "Driver", "StaleReplayError", "GraphInstance", "ModelRuntime", "PartitionRunner",
            "compile_partition", "get_driver", "is_capturing", "live_runtimes"]

@@ -4,7 +4,7 @@ Per partition, aot_autograd (run lazily at the first call of each input signatur
 splits the submodule into functional aten forward and backward graphs, each run by a `GraphFamily`
 (graph_family.py: one `BankEntry` per graph-bank key). This module is the partition's side: `PartitionRunner`
 (the graph bank and its policy, every counter and clock of it, warmup per parameter set, output arenas for
-varying sizes, eager fallback) and `compile_partition`, the entry point.
+varying sizes, eager fallback); compile_partition.py builds one.
 
 The rules they follow live next to the code that keeps them: the buffer rules (static, borrowed, in-place and
 owned inputs, aliased outputs, held graphs and their instances, backward instances, stolen grads) in graph.py's
@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import os
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -40,24 +40,9 @@ from .graph_family import BankEntry
 from .model_runtime import ModelRuntime
 from .subclasses import inner_tensors
 
-__all__ = ["PartitionRunner", "compile_partition"]
+__all__ = ["PartitionRunner"]
 
 log = logging.getLogger("cgcompile")
-
-
-def _tuple_returning(gm: fx.GraphModule) -> Tuple[Optional[type], fx.GraphModule]:
-    """(container type of gm's result, or None for a single value; a tuple-returning copy for aot)."""
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    result = output.args[0]
-    if type(result) is tuple:
-        return tuple, gm
-    graph = fx.Graph()
-    copied = graph.graph_copy(gm.graph, {})
-    if isinstance(result, (list, tuple)):
-        graph.output(tuple(copied))
-        return type(result), fx.GraphModule(gm, graph)
-    graph.output((copied,))
-    return None, fx.GraphModule(gm, graph)
 
 
 @dataclasses.dataclass
@@ -84,7 +69,8 @@ class PartitionRunner:
     """The callable compile_partition returns for one captured partition: graph bank, warmup/capture,
     permanent eager fallback. (`Partition` is the plan's record of the same partition, plan.py.)"""
 
-    def __init__(self, submod: fx.GraphModule, name: str, static_input_indices: Sequence[int],
+    def __init__(self, submod: fx.GraphModule, as_tuple: Tuple[Optional[type], fx.GraphModule], name: str,
+                 static_input_indices: Sequence[int],
                  runtime: ModelRuntime, location: Optional[str], driver: Driver, frame: Optional[str] = None,
                  input_names: Sequence[str] = (), sized: bool = False,
                  batch_at: Optional[Tuple[int, int]] = None, static_shapes: bool = False):
@@ -96,7 +82,7 @@ class PartitionRunner:
         self.runtime = runtime
         self.config = runtime.config
         self.driver = driver
-        self.container, self.traced = _tuple_returning(submod)
+        self.container, self.traced = as_tuple  # (container of submod's result, a tuple-returning copy for aot)
         self.bank: Dict[Any, BankEntry] = {}
         self.broken: Optional[str] = None
         self.frame = frame or (os.path.basename(location) if location else "?")
@@ -507,37 +493,3 @@ class PartitionRunner:
 _FIX_HINT = ("Fix: dynamic_padding='buckets' (or 'max') with torch._dynamo.config.capture_dynamic_output_shape_ops="
              "True when the sizes come from nonzero or a boolean mask, or capture_sizes=[...] when they are a batch "
              "dimension.")
-
-
-def compile_partition(submod: fx.GraphModule, example_inputs: Sequence[Any], *, name: str,
-                      static_input_indices: Sequence[int], runtime: ModelRuntime,
-                      location: Optional[str] = None, frame: Optional[str] = None,
-                      input_names: Sequence[str] = (), batch_symbol: Optional[str] = None) -> Callable[..., Any]:
-    """Wrap one captured partition of a split Dynamo graph.
-
-    Returns a callable with submod's calling convention (positional args; returns what submod returns).
-    It compiles and captures lazily, at run time, with real tensors. `static_input_indices` are the
-    positions of parameters/buffers (nn.Parameter arguments and tensors Dynamo marked with
-    `_dynamo_static_input_type` count as static too). `location` ("file:line") goes into fallback warnings,
-    `frame` (the Dynamo frame's function and file:line) into the graphs' labels.
-    `input_names` (per submod input) into a failed capture's reason. A partition with a symbolic size among its
-    example inputs (its sizes vary) shares output memory across sizes (arena.py); `batch_symbol` (capture_sizes:
-    the frame's batch symbol, "s0") lets its arenas be sized for the largest declared size at once.
-    When nothing would be captured or compiled (eager driver and eager inner compiler), submod itself is
-    returned: the cheapest host path.
-    """
-    driver = runtime.driver_for(example_inputs)
-    if not driver.captures and str(runtime.config.inner_compiler) == "eager":
-        return submod
-    sized = any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
-        isinstance(d, torch.SymInt) for d in v.shape)) for v in example_inputs)
-    batch_at = next(((i, d) for i, v in enumerate(example_inputs) if isinstance(v, torch.Tensor)
-                     for d, n in enumerate(v.shape) if batch_symbol is not None and str(n) == batch_symbol), None)
-    static_shapes = not sized and any(isinstance(v, torch.Tensor) for v in example_inputs)
-    # A static input with a symbolic size (a KV cache sized by the batch that capture_sizes pads) is a new tensor
-    # at every size: it cannot be read in place at a fixed address.
-    static = [i for i in static_input_indices
-              if not (i < len(example_inputs) and isinstance(example_inputs[i], torch.Tensor)
-                      and any(isinstance(d, torch.SymInt) for d in example_inputs[i].shape))]
-    return PartitionRunner(submod, name, static, runtime, location, driver, frame, input_names, sized,
-                           batch_at, static_shapes)
