@@ -99,10 +99,9 @@ class GraphInstance:
         self.param_storages = param_storages
         self.capture_seconds = capture_seconds
         inputs = captured.static_inputs
-        self.fixed_positions = [i for i, k in enumerate(kinds) if k in _FIXED]
-        self.fixed_ptrs = [inputs[i].data_ptr() for i in self.fixed_positions]
+        fixed = [i for i, k in enumerate(kinds) if k in _FIXED]
         # addresses_match(args): are the parameters, borrowed and in-place inputs where this graph reads them?
-        self.addresses_match = _compat.AddressCheck(self.fixed_positions, self.fixed_ptrs)
+        self.addresses_match = _compat.AddressCheck(fixed, [inputs[i].data_ptr() for i in fixed])
         copies = [i for i, k in enumerate(kinds) if k is OWNED]
         self.copy_back = [i for i in copies if i in mutated]  # written by the graph: the caller's tensor gets it
         self.in_place = [i for i, k in enumerate(kinds) if k is IN_PLACE]
@@ -203,7 +202,8 @@ class GraphInstance:
         where this graph reads them (so only those inputs stop it from replaying)."""
         inputs = self.captured.static_inputs
         moved = [i for i in self.in_place if args[i].data_ptr() != inputs[i].data_ptr()]
-        others = [(i, p) for i, p in zip(self.fixed_positions, self.fixed_ptrs) if i not in self.in_place]
+        check = self.addresses_match
+        others = [(i, p) for i, p in zip(check.indices, check.ptrs) if i not in self.in_place]
         if moved and all(args[i].data_ptr() == p for i, p in others):
             return moved
         return []

@@ -234,7 +234,7 @@ class GraphFamily:
         part = self.part
         streak = 0
         if replace is not None:
-            self._drop(replace)
+            self.remove(replace)
             streak = part.recapturing(key, replace, self.kind, reason)
             if streak is None:
                 return self.run(args)
@@ -249,7 +249,8 @@ class GraphFamily:
         part.note_capture(key, graph, streak)
         return out
 
-    def _drop(self, graph: GraphInstance) -> None:
+    def remove(self, graph: GraphInstance) -> None:
+        """Forget a forward/inference instance (released or stale; the runtime gives its memory back)."""
         for instances in self.instances.values():
             if graph in instances:
                 instances.remove(graph)
@@ -337,10 +338,6 @@ class GraphFamily:
         for graph in self.all_instances():
             self.part.runtime.discard(graph)
         self.instances = {}
-
-    def remove(self, graph: GraphInstance) -> None:
-        """Forget a released forward/inference instance (its memory is given back by the runtime)."""
-        self._drop(graph)
 
     def drop_backward(self, bw: GraphInstance) -> None:
         """Forget the backward graph `bw` of whichever of these forward instances owns it (captured again later)."""
