@@ -5,7 +5,8 @@ PYTEST_ARGS ?=
 
 .PHONY: demo test test-nightly docs docs-serve bench gpu-check megatron-parity megatron-record clean
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+# setup.py builds the optional compiled helper (cgcompile/csrc) in place; a change to it reinstalls.
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt cgcompile/csrc/address_check.cpp
 	test -x $(PY) || python3 -m venv $(VENV)
 	if $(PY) -c "import torch" 2>/dev/null; then \
 	    $(PY) -m pip install -q -e ".[test,docs]"; \

@@ -327,9 +327,11 @@ def print_replay_cost(quick: bool) -> None:
     """Table (g): host time per replay vs a minimal wrapper, its growth with depth, reuse on the issue-27 loops."""
     import replay_cost
 
-    calls, repeats = (60, 3) if quick else (300, 7)
+    calls, repeats = (60, 3) if quick else (2000, 7)
+    from cgcompile import _compat
+
     print("\n(g) host time per replay (emulated replays made no-ops: the work around a launch), same process, "
-          "medians of interleaved repeats")
+          f"medians of interleaved repeats; fixed-address check: {_compat.ADDRESS_CHECK_IMPL}")
     rows = []
     for scope in ("layer", "block"):
         ours, minimal = replay_cost.decode_host_times(scope, calls=calls, repeats=repeats)

@@ -3,12 +3,14 @@
 Host time per replay, ours vs a minimal CUDA-graph wrapper measured in the same process on the same calls: the
 minimal wrapper keys on the non-static inputs' shapes, looks the graph up in a dict, copies the non-static inputs
 into its static buffers in one call, replays, returns the static outputs (what vLLM's wrapper does; it checks no
-parameter address). Both replay the same kind of graph. On the CPU every emulated replay is made a no-op returning
-the static outputs during the timed calls, so what is timed is the host work around a replay (on a GPU the replay
-itself is one graph launch); bench_gpu.py times the same on CUDA with real graphs. Workloads: an 8-layer KV-cache decode step in layer scope (one partition per attention and
-MLP, ~17 arguments each) and in block scope (one partition, ~120 arguments, ~110 of them parameters), and a
-training step of a model with a graph break in every layer (one compiled frame serves every layer) at 8, 24 and
-96 layers: the time inside the partition per forward call should not grow with depth.
+parameter address and bumps no version counter). Both replay the same kind of graph. On the CPU every emulated
+replay is made a no-op returning the static outputs during the timed calls, so what is timed is the host work
+around a replay (on a GPU the replay itself is one graph launch); bench_gpu.py times the same on CUDA with real
+graphs. Workloads: an 8-layer KV-cache decode step in layer scope (one partition per layer, 17 arguments, 12 of
+them parameters) and in block scope (one partition, 120 arguments, 101 of them parameters and 16 cache buffers
+it writes), and a training step of a model with a graph break in every layer (one compiled frame serves every
+layer) at 8, 24 and 96 layers: the time inside the partition per forward call should not grow with depth. The
+cycle collector is paused during timed calls, as timeit does (a collection costs what every live object costs).
 
 Reuse: the loops of issue 27, each through the real backend with the emulate driver: captures, live graphs and
 the share of calls after the capture step that replayed a graph captured earlier.
@@ -17,9 +19,10 @@ the share of calls after the capture step that replayed a graph captured earlier
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -62,6 +65,20 @@ def replays_as_launches():
         EmulatedGraph.replay = replay
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cycle collector off during timed calls, as timeit runs them: a collection's cost follows every object
+    alive (the deeper the model, the more), not the calls timed, and lands in whichever call it interrupts."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _per_call(fn: Callable[[], Any], calls: int) -> float:
     start = time.perf_counter()
     for _ in range(calls):
@@ -69,13 +86,20 @@ def _per_call(fn: Callable[[], Any], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def _recorded_calls(run: Callable[[], Any]) -> List[Tuple[Any, tuple]]:
-    """(runner, args) of each partition call `run` makes, one per runner."""
-    seen: Dict[int, Tuple[Any, tuple]] = {}
+def _first_calls(run: Callable[[], Any], keep: Optional[int] = None) -> Tuple[List[Any], Optional[tuple]]:
+    """The partitions `run` calls (PartitionRunners, in order of first call), and the arguments of the `keep`-th
+    one's first call. Only that one's: arguments kept for the timed calls must not hold the outputs of the partition
+    timed (the next partition's arguments would, keeping its graph held and every timed call on another instance),
+    which a decode loop never does."""
+    seen: List[Any] = []
+    kept: List[tuple] = []
     call = partition_runner.PartitionRunner.__call__
 
     def recording(self, *args):
-        seen.setdefault(id(self), (self, args))
+        if all(self is not r for r in seen):
+            seen.append(self)
+            if len(seen) - 1 == keep:
+                kept.append(args)
         return call(self, *args)
 
     partition_runner.PartitionRunner.__call__ = recording
@@ -83,10 +107,10 @@ def _recorded_calls(run: Callable[[], Any]) -> List[Tuple[Any, tuple]]:
         run()
     finally:
         partition_runner.PartitionRunner.__call__ = call
-    return list(seen.values())
+    return seen, (kept[0] if kept else None)
 
 
-def decode_host_times(scope: str, layers: int = 8, calls: int = 200, repeats: int = 5,
+def decode_host_times(scope: str, layers: int = 8, calls: int = 2000, repeats: int = 7,
                       device: str = "cpu") -> Tuple[float, float]:
     """(ours, minimal): median host seconds per partition call of a steady decode step, averaged over its
     partitions, interleaved repeats. On CUDA both replay real graphs (host time: the calls are not synchronized;
@@ -104,16 +128,16 @@ def decode_host_times(scope: str, layers: int = 8, calls: int = 200, repeats: in
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with torch.no_grad():
         kv_gpt.generate(step, model, prompt, 6)  # warmup and capture
-        recorded = _recorded_calls(lambda: kv_gpt.generate(step, model, prompt, 1))
         ours, minimal = [], []
-        for runner, args in recorded:
+        for index in range(len(_first_calls(lambda: kv_gpt.generate(step, model, prompt, 1))[0])):
+            runners, args = _first_calls(lambda: kv_gpt.generate(step, model, prompt, 1), index)
+            runner = runners[index]
             entry = next(iter(runner.bank.values()))
-            entry.inference.copy_out = set()  # the recording kept outputs alive: not the decode loop's doing
             wrapper = MinimalWrapper(entry.inference.run, runner.static_indices, args,
                                      get_driver(options["driver"], device))
             wrapper(*args)
             times: Dict[str, List[float]] = {"ours": [], "minimal": []}
-            with timing():
+            with timing(), collector_paused():
                 for _ in range(repeats):
                     times["ours"].append(_per_call(lambda: runner(*args), calls))
                     sync()
@@ -121,6 +145,7 @@ def decode_host_times(scope: str, layers: int = 8, calls: int = 200, repeats: in
                     sync()
             ours.append(statistics.median(times["ours"]))
             minimal.append(statistics.median(times["minimal"]))
+            del runners, runner, args, entry, wrapper
     return sum(ours) / len(ours), sum(minimal) / len(minimal)
 
 
@@ -167,8 +192,9 @@ def depth_host_times(depths: Sequence[int], steps: int = 4, repeats: int = 3) ->
             with replays_as_launches():
                 for _ in range(repeats):
                     spent[0], count[0] = 0.0, 0
-                    for _ in range(steps):
-                        compiled(x).sum().backward()
+                    with collector_paused():
+                        for _ in range(steps):
+                            compiled(x).sum().backward()
                     samples.append(spent[0] / count[0])
         finally:
             partition_runner.PartitionRunner.__call__ = call

@@ -6,15 +6,16 @@ Each wrapper names the private API it uses and the torch versions it was checked
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 
 __all__ = ["FsdpParam", "TorchDispatchMode", "aot_compile", "boxed", "copy_all", "cuda_end_allocate_to_pool",
-           "cuda_release_pool", "AddressCheck", "at_backward_end", "direct_inference", "storage_weak_ref",
+           "cuda_release_pool", "ADDRESS_CHECK_IMPL", "ADDRESS_CHECK_IMPLS", "AddressCheck", "at_backward_end", "direct_inference", "storage_weak_ref",
            "dynamo_frame", "fsdp2_keep_unsharded", "fsdp2_params", "fsdp2_restore_free", "functorch_level",
-           "generator_capture_state_outlives_failure", "is_unregistered_generator_error", "is_wrapper_subclass", "pop_functorch_level",
+           "generator_capture_state_outlives_failure", "any_autocast", "increment_versions", "set_grad_enabled", "is_unregistered_generator_error", "is_wrapper_subclass", "pop_functorch_level",
            "resolve_overload", "storage_key", "storage_use_count", "tree_flatten", "tree_unflatten"]
 
 # torch.utils._pytree: the pytree helpers torch.compile itself uses; private module, stable API; checked 2.11, 2.13.
@@ -134,51 +135,117 @@ def is_wrapper_subclass(t: Any) -> bool:
     return is_traceable_wrapper_subclass(t)
 
 
-def storage_use_count(sid: int) -> int:
-    """How many tensors (and Python storage objects) hold the storage: torch._C._storage_Use_Count.
+# storage_use_count(handle) -> int: how many tensors (and Python storage objects) hold the storage (the handle is
+# storage_key's). torch._C._storage_Use_Count, bound as it is (it runs on every held check of a replay); used by
+# torch/_inductor/cudagraph_trees.py the same way (checked 2.11, 2.13). Counting storage owners, not Python
+# references to one tensor object, makes views, `.detach()` aliases and autograd's C++ SavedVariables all visible.
+storage_use_count: Callable[[int], int] = torch._C._storage_Use_Count
 
-    Used by torch/_inductor/cudagraph_trees.py the same way (checked 2.11, 2.13). Counting storage owners,
-    not Python references to one tensor object, makes views, `.detach()` aliases and autograd's C++
-    SavedVariables all visible.
-    """
-    return torch._C._storage_Use_Count(sid)
+
+def _any_autocast() -> Callable[[], bool]:
+    """torch._C._is_any_autocast_enabled (private; checked 2.13; where absent, the two devices asked one by one)."""
+    found = getattr(torch._C, "_is_any_autocast_enabled", None)
+    return found if found is not None else lambda: torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
+
+
+# any_autocast() -> bool: is autocast on for any device (asked on every replay; the devices only when it is)
+any_autocast: Callable[[], bool] = _any_autocast()
+
+
+def _version_bumper() -> Callable[[Sequence[torch.Tensor]], None]:
+    """torch._C._increment_version, which torch.autograd.graph.increment_version calls with the tensors (private;
+    checked 2.13, where it takes any iterable of tensors; tried once here, so a build whose C function takes one
+    tensor gets a loop over it)."""
+    bump = torch._C._increment_version
+    try:
+        bump((torch.empty(0),))
+    except (TypeError, RuntimeError):
+        def one_by_one(tensors: Sequence[torch.Tensor]) -> None:
+            for tensor in tensors:
+                bump(tensor)
+
+        return one_by_one
+    return bump
+
+
+# increment_versions(tensors): bump each tensor's version counter, as aot's wrapper does for inputs a graph writes.
+increment_versions: Callable[[Sequence[torch.Tensor]], None] = _version_bumper()
 
 
 _DATA_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 _DATA_PTR = torch.Tensor.data_ptr
 
 
+def _compiled_address_check() -> Optional[Callable[[tuple, tuple], Callable[[Sequence[Any]], bool]]]:
+    """cgcompile's compiled helper (cgcompile/csrc/address_check.cpp), set up to read a plain tensor's data pointer
+    through torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr: the address of the C function
+    `void* (PyObject*)` that Inductor's generated C++ kernel bindings read tensor arguments with (private; run on
+    2.13; the helper is only set up where it exists). None where the helper was not built (no C++ compiler)."""
+    try:
+        from . import _address_check
+    except ImportError:
+        return None
+    reader = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+    address = getattr(reader, "_torchinductor_pyobject_tensor_data_ptr", None)
+    if not isinstance(address, int) or address <= 0:
+        return None
+    _address_check.setup(address, torch.Tensor, torch.nn.Parameter)
+    prepare, equal = _address_check.prepare, _address_check.equal
+
+    def compiled(indices: tuple, ptrs: tuple) -> Callable[[Sequence[Any]], bool]:
+        return functools.partial(equal, prepare(indices, ptrs))
+
+    return compiled
+
+
+_COMPILED_CHECK = _compiled_address_check()
+# The ways AddressCheck can compare here, fastest first: "torch" (CUDA builds), "compiled" (cgcompile's helper),
+# "python" (one data_ptr() call per tensor). ADDRESS_CHECK_IMPL, the first, is what the runtime uses (and what
+# bench_cpu prints beside its host-time rows).
+ADDRESS_CHECK_IMPLS = tuple(name for name, present in (("torch", _DATA_PTRS_EQUAL is not None),
+                                                      ("compiled", _COMPILED_CHECK is not None), ("python", True))
+                            if present)
+ADDRESS_CHECK_IMPL = ADDRESS_CHECK_IMPLS[0]
+
+
 class AddressCheck:
-    """`check(args)`: is args[i].data_ptr() == ptrs[k] for each k, i in enumerate(indices)? In one C call where
-    torch has one: torch._C._tensors_data_ptrs_at_indices_equal(tensors, ptrs by position, indices) (CUDA
-    builds; what cudagraph_trees checks static inputs with; checked 2.11, 2.13; absent from CPU wheels), else one
-    pass of map() over the C method."""
+    """`matches(args)`: is args[i].data_ptr() == ptrs[k] for each k, i in enumerate(indices)? In one C call: torch's
+    own where it has one, torch._C._tensors_data_ptrs_at_indices_equal(tensors, ptrs by position, indices) (CUDA
+    builds; what cudagraph_trees checks static inputs with; checked 2.11, 2.13; absent from CPU wheels); else
+    cgcompile's compiled helper; else one pass of map() over the Python method. `impl` picks one of
+    ADDRESS_CHECK_IMPLS (tests compare them)."""
 
-    def __init__(self, indices: Sequence[int], ptrs: Sequence[int]):
-        self.indices = list(indices)
-        self.ptrs = list(ptrs)
-        contiguous = bool(self.indices) and self.indices == list(range(self.indices[0], self.indices[-1] + 1))
-        self._slice = slice(self.indices[0], self.indices[-1] + 1) if contiguous else None
-        by_position: List[Optional[int]] = [None] * (max(self.indices) + 1 if self.indices else 0)
-        for i, ptr in zip(self.indices, self.ptrs):
-            by_position[i] = ptr
-        self.by_position = by_position
+    def __init__(self, indices: Sequence[int], ptrs: Sequence[int], impl: str = ADDRESS_CHECK_IMPL):
+        if impl not in ADDRESS_CHECK_IMPLS:
+            raise ValueError(f"address check {impl!r} is not available here; available: {ADDRESS_CHECK_IMPLS}")
+        self.indices = tuple(indices)
+        self.ptrs = tuple(ptrs)
+        self.matches: Callable[[Sequence[Any]], bool] = self._pick(impl)
 
-    def __call__(self, args: Sequence[Any]) -> bool:
-        if not self.indices:
-            return True
-        if _DATA_PTRS_EQUAL is not None:
-            return _DATA_PTRS_EQUAL(list(args), self.by_position + [None] * (len(args) - len(self.by_position)),
-                                    self.indices)
-        if self._slice is not None:
-            return list(map(_DATA_PTR, args[self._slice])) == self.ptrs
-        return list(map(_DATA_PTR, map(args.__getitem__, self.indices))) == self.ptrs
+    def _pick(self, impl: str) -> Callable[[Sequence[Any]], bool]:
+        indices, ptrs = self.indices, self.ptrs
+        if not indices:
+            return lambda args: True
+        last = max(indices)  # an argument list too short to hold them all does not match
+        if impl == "torch":
+            by_position: List[Optional[int]] = [None] * (last + 1)
+            for i, ptr in zip(indices, ptrs):
+                by_position[i] = ptr
+            return lambda args: len(args) > last and _DATA_PTRS_EQUAL(
+                list(args), by_position + [None] * (len(args) - len(by_position)), list(indices))
+        if impl == "compiled":
+            return _COMPILED_CHECK(indices, ptrs)
+        expected = list(ptrs)
+        return lambda args: len(args) > last and list(map(_DATA_PTR, map(args.__getitem__, indices))) == expected
 
 
-def copy_all(destinations: List[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
-    """destinations[k].copy_(sources[k]) for every k in one dispatch: torch._foreach_copy_ (semi-private, used by
-    torch.optim; checked 2.11, 2.13)."""
-    torch._foreach_copy_(destinations, list(sources))
+# copy_all(destinations, sources): destinations[k].copy_(sources[k]) for every k in one dispatch. torch._foreach_copy_
+# (semi-private, used by torch.optim; checked 2.11, 2.13), bound as it is: it runs on every replay.
+copy_all: Callable[[List[torch.Tensor], Sequence[torch.Tensor]], None] = torch._foreach_copy_
+
+# set_grad_enabled(mode): torch._C._set_grad_enabled (private; what torch.set_grad_enabled's constructor calls and what
+# Dynamo graphs call; checked 2.13), without building the context-manager object on every replay.
+set_grad_enabled: Callable[[bool], None] = torch._C._set_grad_enabled
 
 
 def at_backward_end(callback: Callable[[], None]) -> None:

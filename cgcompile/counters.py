@@ -1,14 +1,16 @@
 """Process-wide runtime counters: proof that capture happened, and why it did not.
 
 `stats()` returns a snapshot (a plain dict, safe to keep); `reset_stats()` zeroes everything. Tests and
-benchmarks assert on these. Updates take a lock, so counters stay exact if partitions run on several threads.
+benchmarks assert on these. Updates take a lock, so counters stay exact if partitions run on several threads; the
+replay counts, bumped on every replay, are kept per thread instead (each thread writes only its own, no lock on
+the replay path) and summed by stats().
 """
 
 from __future__ import annotations
 
 import copy
 import threading
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 _lock = threading.Lock()
 
@@ -32,6 +34,24 @@ def _zero() -> Dict[str, Any]:
 _state = _zero()
 
 
+class _ReplayCounts:
+    """One thread's replays since the last reset: written by that thread alone."""
+
+    __slots__ = ("replays", "steady")
+
+    def __init__(self) -> None:
+        self.replays = 0
+        self.steady = 0
+
+
+_thread = threading.local()
+_replay_counts: List[_ReplayCounts] = []  # every thread's (a finished thread's too: its replays still count)
+
+
+def _replays() -> Dict[str, int]:
+    return {"replays": sum(c.replays for c in _replay_counts), "steady_replays": sum(c.steady for c in _replay_counts)}
+
+
 def stats() -> Dict[str, Any]:
     """A snapshot of the counters since the last reset_stats(), plus `graphs`: one entry per captured graph
     alive now (partition, label, kind, replays, pool_bytes, static_input_bytes, static_output_bytes, and for a
@@ -42,6 +62,7 @@ def stats() -> Dict[str, Any]:
     from .runtime.release import graph_memory, held_bytes, partition_stats
     with _lock:
         snapshot = copy.deepcopy(_state)
+        snapshot.update(_replays())
     snapshot["graphs"] = graph_memory()
     snapshot["graph_bytes"] = held_bytes(snapshot["graphs"])
     snapshot["partitions"] = partition_stats()
@@ -61,6 +82,8 @@ def reset_stats() -> None:
     global _state
     with _lock:
         _state = _zero()
+        for counts in _replay_counts:
+            counts.replays = counts.steady = 0
 
 
 def add(name: str, amount: float = 1) -> None:
@@ -70,11 +93,16 @@ def add(name: str, amount: float = 1) -> None:
 
 
 def add_replay(steady: bool) -> None:
-    """Count one graph replay (and whether it is a steady one): one lock for the replay path."""
-    with _lock:
-        _state["replays"] += 1
-        if steady:
-            _state["steady_replays"] += 1
+    """Count one graph replay (and whether it is a steady one), in this thread's counts."""
+    try:
+        counts = _thread.counts
+    except AttributeError:
+        counts = _thread.counts = _ReplayCounts()
+        with _lock:
+            _replay_counts.append(counts)
+    counts.replays += 1
+    if steady:
+        counts.steady += 1
 
 
 def record(name: str, partition: str, reason: str, *, once: bool = False) -> bool:

@@ -18,6 +18,17 @@ def module_name(path: pathlib.Path) -> str:
 MODULES: Dict[str, pathlib.Path] = {module_name(p): p for p in ROOT.rglob("*.py")}
 
 
+def compiled_modules() -> Set[str]:
+    """The package's compiled extension modules, as setup.py declares them (`Extension("cgcompile._name", ...)`):
+    modules too, though not Python source (`from . import _address_check` imports a module, no private name)."""
+    tree = ast.parse((ROOT.parent / "setup.py").read_text())
+    return {node.args[0].value for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "Extension" and isinstance(node.args[0], ast.Constant)}
+
+
+COMPILED = compiled_modules()
+
+
 def is_package(name: str) -> bool:
     return MODULES[name].name == "__init__.py"
 
@@ -50,6 +61,8 @@ def imports(name: str) -> Tuple[Set[str], List[str], Dict[str, str]]:
                 continue
             for alias in node.names:
                 submodule = f"{target}.{alias.name}"
+                if submodule in COMPILED:  # a compiled module: no source to walk, no edge to follow
+                    continue
                 if submodule in MODULES:  # `from . import release`: the module itself
                     edges.add(submodule)
                     aliases[alias.asname or alias.name] = submodule
@@ -115,6 +128,10 @@ def test_the_walker_sees_function_level_and_relative_imports():
 
 def test_no_import_circle_between_cgcompile_modules():
     assert cycles(graph()) == []
+
+
+def test_compiled_modules_are_read_from_setup_py():
+    assert COMPILED == {"cgcompile._address_check"}
 
 
 def test_no_module_uses_another_modules_private_names():

@@ -59,9 +59,19 @@ from .strided_copy import copy_into, static_copy, uncopyable_reason
 from .memory_claim import MemoryClaim
 from .write_undo import WriteUndo
 
+_copy_all = _compat.copy_all
+
 # How a call argument reaches a graph's static input (ARENA: not an argument, the output arena's views).
 CONST, PARAM, BORROWED, IN_PLACE, OWNED, ARENA = "const", "param", "borrowed", "in_place", "owned", "arena"
 _FIXED = (PARAM, BORROWED, IN_PLACE)  # read where they are: the address must match
+
+
+def at_positions(positions: Sequence[int]) -> Callable[[Sequence[Any]], Sequence[Any]]:
+    """A C function taking a call's arguments to those at `positions`, as a sequence (operator.itemgetter; for one
+    position a slice of them, as itemgetter would return the element itself)."""
+    if len(positions) == 1:
+        return operator.itemgetter(slice(positions[0], positions[0] + 1))
+    return operator.itemgetter(*positions) if positions else operator.itemgetter(slice(0, 0))
 
 
 def is_param_or_buffer(arg: Any) -> bool:
@@ -101,14 +111,22 @@ class GraphInstance:
         inputs = captured.static_inputs
         fixed = [i for i, k in enumerate(kinds) if k in _FIXED]
         # addresses_match(args): are the parameters, borrowed and in-place inputs where this graph reads them?
-        self.addresses_match = _compat.AddressCheck(fixed, [inputs[i].data_ptr() for i in fixed])
+        self.addresses = _compat.AddressCheck(fixed, [inputs[i].data_ptr() for i in fixed])
+        self.addresses_match = self.addresses.matches
         copies = [i for i, k in enumerate(kinds) if k is OWNED]
         self.copy_back = [i for i in copies if i in mutated]  # written by the graph: the caller's tensor gets it
         self.in_place = [i for i, k in enumerate(kinds) if k is IN_PLACE]
         self.expanded_copies = [i for i in copies if 0 in inputs[i].stride()]  # copied by their core
         self.copies = [i for i in copies if i not in self.expanded_copies]
         self.copy_buffers = [inputs[i] for i in self.copies]
+        # the call's arguments at self.copies, as a sequence, in one C call
+        self._copy_sources = at_positions(self.copies)
         self.tensor_outputs = [j for j, t in enumerate(captured.static_outputs) if isinstance(t, torch.Tensor)]
+        self.all_tensors = len(self.tensor_outputs) == len(captured.static_outputs)
+        # replay_plain serves it under no_grad: an inference graph whose every input is copied in or read in place,
+        # none written back, whose outputs are all tensors, with no output arena (capture_instance may set one)
+        self.plain = (kind == "inference" and self.all_tensors and not self.expanded_copies
+                      and not self.copy_back)
         self.claim = MemoryClaim()
         self.lenders: List[Tuple[MemoryClaim, int, int]] = []  # (lender's claim, storage ptr, references we keep)
         self.pool_position: Optional[int] = None
@@ -202,7 +220,7 @@ class GraphInstance:
         where this graph reads them (so only those inputs stop it from replaying)."""
         inputs = self.captured.static_inputs
         moved = [i for i in self.in_place if args[i].data_ptr() != inputs[i].data_ptr()]
-        check = self.addresses_match
+        check = self.addresses
         others = [(i, p) for i, p in zip(check.indices, check.ptrs) if i not in self.in_place]
         if moved and all(args[i].data_ptr() == p for i, p in others):
             return moved
@@ -244,8 +262,9 @@ class GraphInstance:
                 "arena_bytes": arena.nbytes if arena is not None else 0,
                 "arena_output_bytes": sum(span_bytes(t) for t, k in zip(inputs, self.kinds) if k is ARENA)}
 
-    def owned_storages(self) -> List[Tuple[int, int]]:
-        """Storages this graph owns: its copied-in input buffers and outputs not aliasing other inputs."""
+    def owned_storages(self) -> List[Tuple[int, int, bool]]:
+        """Storages this graph owns: its copied-in input buffers and outputs not aliasing other inputs, as
+        (ptr, handle, reachable): reachable when an output lives in it (what a caller can reference)."""
         inputs = self.captured.static_inputs
         foreign = {storage_ptr(t) for t, k in zip(inputs, self.kinds) if k in (PARAM, BORROWED, IN_PLACE, ARENA)}
         found: Dict[int, int] = {}
@@ -255,56 +274,67 @@ class GraphInstance:
                 ptr, sid = _compat.storage_key(t)
                 if ptr and ptr not in foreign:
                     found.setdefault(ptr, sid)
-        return list(found.items())
+        reachable = {storage_ptr(t) for t in self.captured.static_outputs if isinstance(t, torch.Tensor)}
+        return [(ptr, sid, ptr in reachable) for ptr, sid in found.items()]
+
+    def replay_plain(self, args: Sequence[Any]) -> List[Any]:
+        """replay(args, alias=True) for a `plain` graph with no output handed out as a copy, whose memory claim the
+        caller has just taken (MemoryClaim.take): the steady inference replay (partition_runner.py) without the
+        branches it never takes."""
+        if self.copies:  # one dispatch (a caller passing our own buffer back copies it onto itself: a no-op)
+            _copy_all(self.copy_buffers, self._copy_sources(args))
+        static = self.captured.replay()  # held while an alias lives: use counts tell
+        outputs = [static[0].detach()] if len(static) == 1 else [out.detach() for out in static]
+        self.replays += 1
+        add_replay(self.replays > 1)
+        return outputs
 
     def replay(self, args: Sequence[Any], alias: bool, copies: Set[int] = frozenset()) -> List[Any]:
         """Run the graph for `args`: outputs handed out as aliases (or, at positions in `copies`, as copies), or
-        as the static tensors themselves when not `alias` (a backward's grads that AccumulateGrad clones)."""
+        as the static tensors themselves when not `alias` (a backward's grads that AccumulateGrad clones).
+        Every replay runs this: each step is one that a replay needs."""
         grad = torch.is_grad_enabled()
         if grad:  # copies into our buffers and the aliases handed out carry no autograd history
-            torch.set_grad_enabled(False)
+            _compat.set_grad_enabled(False)
         try:
-            if self.copies:
-                self._copy_in(args)
+            if self.copies:  # one dispatch (a caller passing our own buffer back copies it onto itself: a no-op)
+                _compat.copy_all(self.copy_buffers, self._copy_sources(args))
             for i in self.expanded_copies:
                 copy_into(self.captured.static_inputs[i], args[i])
-            outputs = list(self.captured.replay())
+            static = self.captured.replay()
             for i in self.copy_back:
                 args[i].copy_(self.captured.static_inputs[i])
             if self.arena is not None:
                 self.arena.replayed()
-            if alias:
+            if alias and self.kind != "forward":  # held while an alias lives: its storage's use count tells
+                if self.all_tensors and not copies:  # the usual inference replay
+                    outputs = [out.detach() for out in static]
+                else:
+                    outputs = list(static)
+                    for j in self.tensor_outputs:
+                        outputs[j] = outputs[j].clone() if copies and j in copies else outputs[j].detach()
+                self.claim.replayed()
+            elif alias:  # the backward finds its forward instance, and which outputs it saved, by the aliases
+                outputs = list(static)
                 handed: List[Any] = [None] * len(outputs)
-                tag = self.kind == "forward"  # lets the backward find its forward instance
                 for j in self.tensor_outputs:
-                    if j in copies:
+                    if copies and j in copies:
                         outputs[j] = outputs[j].clone()
                         continue
                     handed[j] = outputs[j] = out = outputs[j].detach()
-                    if tag:
-                        out._cgcompile_source = self
+                    out._cgcompile_source = self
                 self.claim.hand_out(handed)
             else:
+                outputs = list(static)
                 self.claim.replayed()
                 self._held_until_backward_ends()
         finally:
             if grad:
-                torch.set_grad_enabled(True)
+                _compat.set_grad_enabled(True)
         self.replays += 1
         self.pending_backward = self.kind == "forward"
         add_replay(self.replays > 1)
         return outputs
-
-    def _copy_in(self, args: Sequence[Any]) -> None:
-        """Copy the call's owned inputs into the static buffers in one dispatch (skipping one already there: a
-        caller passing our own buffer back)."""
-        sources = [args[i] for i in self.copies]
-        if any(map(operator.is_, self.copy_buffers, sources)):
-            pairs = [(b, a) for b, a in zip(self.copy_buffers, sources) if b is not a]
-            if pairs:
-                _compat.copy_all([b for b, _ in pairs], [a for _, a in pairs])
-        else:
-            _compat.copy_all(self.copy_buffers, sources)
 
 
 # --- capture ------------------------------------------------------------------------------------------------

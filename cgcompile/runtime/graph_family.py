@@ -33,7 +33,7 @@ from .. import _compat
 from ..passes.collectives import collective_counts
 from .arena import OutputLayout, output_layouts
 from .thread_state import preserved_global_state
-from .graph import GraphInstance, capture_instance, mutated_inputs
+from .graph import GraphInstance, at_positions, capture_instance, mutated_inputs
 from .traced_strides import keep_traced_strides
 
 __all__ = ["BankEntry", "GraphFamily"]
@@ -140,7 +140,7 @@ class GraphFamily:
         out = self.run(args)
         if self.part.sized and self.layouts is None:
             self.layouts = output_layouts(list(out), args, self.part.runtime.device)
-            self.part.note_layouts(self.kind, self.layouts)
+            self.part.arenas.note_layouts(self.kind, self.layouts)
         return out
 
     def _warmup(self, key: int, args: list) -> Any:
@@ -322,11 +322,11 @@ class GraphFamily:
                  forward: Optional[GraphInstance] = None) -> GraphInstance:
         part = self.part
         name = forward.label.rsplit(" ", 1)[0] if forward is not None else part.graph_name(args, param_storages)
-        arenas = part.arena_group(self.kind, param_storages) if part.sized else None
+        arenas = part.arenas.group(self.kind, param_storages) if part.sized else None
         graph = capture_instance(self, part.name, f"{name} {self.kind}", self.kind, self.run, args, param_storages,
-                                 self.mutated, key, part.runtime, part.driver, part.input_names_of(args),
-                                 arenas, self.layouts, part.arena_reserve(self.kind, self.layouts, self.entry.batch), warmed_up=key in self._warmed,
-                                 moving=frozenset(self.moving))
+                                 self.mutated, key, part.runtime, part.driver, part.input_names_of(args), arenas,
+                                 self.layouts, part.arenas.reserve(self.kind, self.layouts, self.entry.batch),
+                                 warmed_up=key in self._warmed, moving=frozenset(self.moving))
         if arenas is not None:
             part.retire_superseded(arenas)
         return graph
@@ -359,7 +359,8 @@ class BankEntry:
         self.backward: Optional[GraphFamily] = None
         self.inference: Optional[GraphFamily] = None
         self.bumps: Optional[tuple] = None  # inference graph aot's wrapper only calls: positions whose versions it bumps
-        self.batch = part.batch_of(args)  # capture_sizes: the (padded) batch of this signature
+        self.bumped: Optional[Callable[[Sequence[Any]], tuple]] = None  # those arguments of a call
+        self.batch = part.arenas.batch_of(args)  # capture_sizes: the (padded) batch of this signature
         with preserved_global_state():  # tracing runs the partition's grad-mode/vmap switches for real
             self.fn = _compat.aot_compile(part.traced, args, self._family,
                                           inductor=str(part.config.inner_compiler) == "inductor")
@@ -369,6 +370,8 @@ class BankEntry:
         """Called by aot for each graph it compiles: the GraphFamily aot runs instead of it."""
         if kind == "inference":
             self.bumps = direct
+            if direct:  # the arguments whose versions a call bumps, in one C call
+                self.bumped = at_positions(direct)
         if str(self.part.config.inner_compiler) != "inductor":  # Inductor lays out its own buffers
             run = keep_traced_strides(gm, run, f"{self.part.name} {kind}")
         family = GraphFamily(self, kind, run, mutated_inputs(gm), collective_counts(gm))
@@ -380,8 +383,8 @@ class BankEntry:
         its per-argument work, redone on every call, skipped. The graph, then the version bumps the wrapper makes
         for the inputs the graph writes."""
         out = self.inference(list(args))
-        if self.bumps:
-            torch.autograd.graph.increment_version([args[i] for i in self.bumps])
+        if self.bumped is not None:
+            _compat.increment_versions(self.bumped(args))
         return out
 
     def discard(self) -> None:

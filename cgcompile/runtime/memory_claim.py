@@ -28,12 +28,16 @@ class MemoryClaim:
 
     def __init__(self) -> None:
         self.storages: Dict[int, List[int]] = {}
+        self._watched: List[List[int]] = []  # the entries of storages others can reach (see own)
         self._handed: List[Optional[weakref.ref]] = []
         self._free = True  # nothing handed out since found free (or since capture)
 
-    def own(self, ptr: int, handle: int) -> None:
-        """Claim the storage at ptr; its idle use count is taken by settle()."""
-        self.storages[ptr] = [handle, 0]
+    def own(self, ptr: int, handle: int, reachable: bool = True) -> None:
+        """Claim the storage at ptr; its idle use count is taken by settle(). A storage no output lives in (a
+        graph's input buffer that no output aliases) can be referenced by nobody outside, so held() skips it."""
+        entry = self.storages[ptr] = [handle, 0]
+        if reachable:
+            self._watched.append(entry)
 
     def settle(self) -> None:
         """Now, with nothing handed out, the use counts are the runtime's own references: the idle baseline."""
@@ -55,17 +59,39 @@ class MemoryClaim:
         self._free = False
 
     def replayed(self) -> None:
-        """A replay wrote the memory (handing out nothing the claim tracks, e.g. an arena member's copy)."""
+        """A replay wrote the memory and handed out no aliases to track by weak reference (inference and backward
+        graphs, an arena member's copy): what it handed out holds the memory through the use counts alone."""
         self._free = False
 
     def held(self) -> bool:
-        """Does anything beyond the runtime reference this memory? A free answer is cached until the next replay."""
+        """Does anything beyond the runtime reference this memory? A free answer is cached until the next replay.
+        (On every replay's path: loops that stop at the first holder, no lists built.)"""
         if self._free:
             return False
-        if self.alive_aliases() or self.held_storages():
-            return True
+        for ref in self._handed:
+            if ref is not None and ref() is not None:
+                return True
+        use_count = _compat.storage_use_count
+        for handle, idle in self._watched:
+            if use_count(handle) > idle:
+                return True
         self._free = True
         return False
+
+    def take(self) -> bool:
+        """For a replay about to run (the steady replay, partition_runner.py): False when the memory is held; else
+        True, and the memory counts as replayed from now on (if the replay then does not run, the next held() looks
+        again). held()'s loops written out once more: one call on every steady replay instead of two."""
+        if not self._free:
+            for ref in self._handed:
+                if ref is not None and ref() is not None:
+                    return False
+            use_count = _compat.storage_use_count
+            for handle, idle in self._watched:
+                if use_count(handle) > idle:
+                    return False
+        self._free = False
+        return True
 
     def held_storages(self) -> Set[int]:
         """The storages referenced beyond their idle count now."""

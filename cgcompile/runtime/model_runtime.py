@@ -192,8 +192,8 @@ class ModelRuntime:
         of each lender's use count is exactly the references the new graph keeps (its held inputs, outputs
         that view them, and anything those keep alive) and goes into the lender's idle baseline.
         """
-        for ptr, sid in graph.owned_storages():
-            graph.claim.own(ptr, sid)
+        for ptr, sid, reachable in graph.owned_storages():
+            graph.claim.own(ptr, sid, reachable)
             self._owners[ptr] = graph
         if arena is not None:
             for ptr in arena.claim.storages:
@@ -251,6 +251,22 @@ class ModelRuntime:
                 return later
             in_flight.pop()
         return None
+
+    def enter_replay(self, graph: GraphInstance) -> bool:
+        """pool_blocker and note_replay in one call, for the steady replay (partition_runner.py): when no graph
+        captured after `graph` is held, note it in flight (its replay follows at once) and say True."""
+        in_flight, position = self._in_flight, graph.pool_position
+        while in_flight and in_flight[-1] > position:
+            later = self._pooled[in_flight[-1]]
+            if later is not None and later.held():
+                return False
+            in_flight.pop()
+        if not in_flight or in_flight[-1] != position:
+            in_flight.append(position)
+        if self._wave_open and graph.replays:  # a replay after the call that captured it
+            self._wave_open = False
+            self.log_capture_summary()
+        return True
 
     def note_replay(self, graph: GraphInstance) -> None:
         """A graph replayed: it is in flight until found free. Its first replay after the call that captured it

@@ -2,9 +2,10 @@
 
 Per partition, aot_autograd (run lazily at the first call of each input signature, with the real tensors)
 splits the submodule into functional aten forward and backward graphs, each run by a `GraphFamily`
-(graph_family.py: one `BankEntry` per graph-bank key). This module is the partition's side: `PartitionRunner`
-(the graph bank and its policy, every counter and clock of it, warmup per parameter set, output arenas for
-varying sizes, eager fallback); compile_partition.py builds one.
+(graph_family.py: one `BankEntry` per graph-bank key, bank_key.py). This module is the partition's side:
+`PartitionRunner` (the steady inference replay, the graph bank and its policy, every counter and clock of it,
+warmup per parameter set, eager fallback; its output arenas' sizes in arena_sizing.py); compile_partition.py
+builds one.
 
 The rules they follow live next to the code that keeps them: the buffer rules (static, borrowed, in-place and
 owned inputs, aliased outputs, held graphs and their instances, backward instances, stolen grads) in graph.py's
@@ -13,8 +14,8 @@ its rule, the registry of static memory and the list of live graphs in ModelRunt
 
 Parameter sets: Dynamo reuses one compiled frame for every layer of a model that graph-breaks inside its layers,
 so one partition may serve many parameter sets, each needing graphs of its own (as Megatron has per layer). Each
-is known by the identity of the partition's first parameter object (`call_key`: a parameter that moves, e.g.
-`p.data = ...`, stays in its set) and has its own warmup (every layer runs
+is known by the identity of the partition's first parameter object (`call_key`, bank_key.py: a parameter that
+moves, e.g. `p.data = ...`, stays in its set) and has its own warmup (every layer runs
 `cuda_graph_warmup_steps` eager calls before its first capture, so state built lazily on a layer's first call
 is never captured half-built), its own cap and its own clock for the bank policy (bank_policy.py).
 """
@@ -26,21 +27,29 @@ import dataclasses
 import logging
 import os
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
 
+from .. import _compat
 from ..counters import add as count, record
 from . import bank_policy
 from .arena import ArenaGroup
+from .arena_sizing import ArenaSizing
+from .bank_key import BankKey
 from .driver import Driver
 from .graph import GraphInstance, is_param_or_buffer, storage_ptr
 from .graph_family import BankEntry
+from .memory_claim import MemoryClaim
 from .model_runtime import ModelRuntime
 from .subclasses import inner_tensors
 
 __all__ = ["PartitionRunner"]
+
+# the mode reads of the steady replay's key check, bound once
+_is_grad_enabled, _is_inference_mode_enabled, _any_autocast = (torch.is_grad_enabled, torch.is_inference_mode_enabled,
+                                                              _compat.any_autocast)
 
 log = logging.getLogger("cgcompile")
 
@@ -63,6 +72,23 @@ class _Usage:
     key: int  # its parameter set
     last_use: int  # its parameter set's clock when it last ran
     recapture_streak: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class _SteadyReplay:
+    """What a parameter set's steady inference replay needs, from the last direct call that replayed a graph."""
+
+    key: tuple  # the bank key of that call
+    modes_only: bool  # the key is its grad and inference modes alone, autocast off (no input metadata in it)
+    grad: bool  # those modes
+    inference: bool
+    graph: GraphInstance
+    claim: MemoryClaim  # graph.claim (a graph's claim changes only when it is discarded)
+    copies: Set[int]  # its family's output positions handed out as copies (the family's set, updated in place)
+    plain: bool  # a plain graph (graph.py) replayed under no_grad: replay_plain serves it while no output is copied
+    bumped: Optional[Callable[[Sequence[Any]], tuple]]  # the arguments whose versions a call bumps
+    state: _ParamSet
+    usage: _Usage
 
 
 class PartitionRunner:
@@ -89,20 +115,14 @@ class PartitionRunner:
         # Input sizes that vary (symbolic in the trace): graphs of one kind and parameter set write their outputs
         # into shared output arenas (arena.py), so memory follows the largest size, not the number of sizes.
         self.sized = sized
-        self.static_shapes = static_shapes  # traced by Dynamo with concrete sizes: its guards fix input metadata
         self.call_key = 0  # the parameter set of the call in progress (the identity of its first parameter)
         self._args: Optional[Sequence[Any]] = None  # the call in progress
-        self._dynamic: Optional[List[int]] = None  # argument positions the bank key reads (not parameters)
-        self._key_index: Optional[int] = None  # the first parameter's position
+        self._direct: Optional[Tuple[Any, BankEntry]] = None  # its (bank key, entry) when it calls a graph directly
+        self.keys = BankKey(self.static_indices, static_shapes)  # a call's bank key and parameter set
         self._warned: set = set()
         self._param_set_ids: Dict[frozenset, int] = {}
         self._serial = 0
-        self._arena_groups: Dict[Tuple[str, frozenset], ArenaGroup] = {}
-        # (input, dim) holding the batch that capture_sizes pads, and the largest declared size: arenas are sized
-        # for it at their first capture (with the largest output each position took in warmup runs so far)
-        self._batch_at = batch_at
-        self._largest_batch = max(self.config.capture_sizes) if self.config.capture_sizes else 0
-        self._largest_outputs: Dict[str, Dict[int, int]] = {}
+        self.arenas = ArenaSizing(name, self.config.capture_sizes, batch_at, self.param_set_number)
         self._start_policy()
         runtime.add_runner(self)
 
@@ -111,20 +131,54 @@ class PartitionRunner:
         self.counters = bank_policy.BankCounters()
         self._param_sets: Dict[int, _ParamSet] = {}
         self._usage: Dict[GraphInstance, _Usage] = {}  # forward/inference instances alive (removed when released)
-        self._unjudged_sizes: Dict[Any, List[int]] = {}  # bank key -> [tick first seen, calls], until judged
-        self._tick = 0  # calls of this partition with any parameter set
+        self._unjudged_sizes: Dict[Any, List[int]] = {}  # bank key -> [counters.calls when first seen, calls]
+        self._steady: Dict[int, _SteadyReplay] = {}  # per parameter set, the graph its last direct call replayed
         self._sizes_judged = 0
 
     # calls -----------------------------------------------------------------------------------------------
 
     def __call__(self, *args: Any) -> Any:
+        """A call of the partition. The steady inference replay is flattened here, since its host work is what
+        the product costs per replay: the graph a parameter set replayed at its last direct call (`_SteadyReplay`,
+        recorded by note_replay), when it may replay again for the same bank key, with the same decisions as the
+        full path (graph_family.py) for that one case and the same accounting. Every other case takes _call.
+        (A partition that failed has no steady replay: fail() forgets them.)"""
+        steady = self._steady
+        if steady:
+            index = self.keys.set_index
+            record = steady.get(0 if index is None else id(args[index]))
+            if record is not None:
+                graph = record.graph
+                if not self.runtime.dead and graph.captured is not None and (
+                        _is_grad_enabled() is record.grad and _is_inference_mode_enabled() is record.inference
+                        and not _any_autocast() if record.modes_only else self.keys.of(args) == record.key) and \
+                        graph.addresses_match(args) and (record.claim.take() if record.plain else not graph.held()) \
+                        and self.runtime.enter_replay(graph):
+                    copies = record.copies
+                    out = graph.replay_plain(args) if record.plain and not copies else graph.replay(args, True, copies)
+                    state = record.state
+                    state.calls += 1
+                    counters = self.counters
+                    counters.calls += 1
+                    counters.replays += 1
+                    record.usage.last_use = state.calls
+                    if self._unjudged_sizes and record.key in self._unjudged_sizes:
+                        self._unjudged_sizes[record.key][1] += 1
+                    if state.unjudged or state.calls >= state.next_sweep:
+                        self.after_call(graph.key)
+                    if record.bumped is not None:
+                        _compat.increment_versions(record.bumped(args))
+                    return out[0] if self.container is None else self.container(out)
+        return self._call(args)
+
+    def _call(self, args: tuple) -> Any:
         if self.broken is not None:
             return self.submod(*args)
         if self.runtime.dead:
             self.runtime.release_dead()
-        if self._dynamic is None:
-            self._find_positions(args)
-        key = self._key(args)
+        if self.keys.dynamic is None:
+            self.keys.learn(args)
+        key = self.keys.of(args)
         entry = self.bank.get(key)
         if entry is None:
             entry = self._new_entry(key, args)
@@ -133,46 +187,17 @@ class PartitionRunner:
         elif self._unjudged_sizes and key in self._unjudged_sizes:
             self._unjudged_sizes[key][1] += 1
         self._args = args
-        self.call_key = id(args[self._key_index]) if self._key_index is not None else 0
+        self.call_key = self.keys.param_set(args)
+        direct = entry.bumps is not None
+        if direct:  # a replay in it becomes its parameter set's steady replay (note_replay)
+            self._direct = (key, entry)
         try:
-            out = entry.run_direct(args) if entry.bumps is not None else entry.fn(*args)
+            out = entry.run_direct(args) if direct else entry.fn(*args)
         finally:
-            self._args = None
+            self._args = self._direct = None
         if self.container is None:
             return out[0]
         return self.container(out)
-
-    def _find_positions(self, args: Sequence[Any]) -> None:
-        static = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and (
-            i in self.static_indices or is_param_or_buffer(a))]
-        parameters = [i for i in static if isinstance(args[i], torch.nn.Parameter)]
-        self._key_index = (parameters or static or [None])[0]
-        dynamic = [i for i in range(len(args)) if i not in self.static_indices]
-        # Traced by Dynamo without a symbolic size, the frame's guards fix every tensor input's metadata (as
-        # torch.compile's own compiled graphs trust them): only the values of non-tensor inputs can vary.
-        self._dynamic = dynamic if not self.static_shapes else [
-            i for i in dynamic if not isinstance(args[i], torch.Tensor)]
-
-    def _key(self, args: Sequence[Any]) -> tuple:
-        """Graph-bank key: grad/inference/autocast mode, and per argument its metadata or value.
-
-        Parameters and buffers (the static indices) are left out: Dynamo's guards on the frame already fix
-        their shape, stride, dtype, device and requires_grad, and a decode step's partition takes a hundred of
-        them, so keying them would cost more host time per call than the rest of the replay path. In a frame
-        traced without symbolic sizes the same holds for every tensor input (_find_positions)."""
-        key: List[Any] = [torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-                          torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu"), len(args)]
-        for index in self._dynamic:
-            arg = args[index]
-            if isinstance(arg, torch.Tensor):
-                key.append((arg.shape, arg.stride(), arg.dtype, arg.device, arg.requires_grad))
-            else:
-                try:
-                    hash(arg)
-                    key.append((type(arg), arg))
-                except TypeError:
-                    key.append((type(arg), id(arg)))
-        return tuple(key)
 
     def _new_entry(self, key: tuple, args: Sequence[Any]) -> Optional[BankEntry]:
         """A call brought an input signature never seen: judge the sizes seen before, compile this one (None:
@@ -189,7 +214,7 @@ class PartitionRunner:
         except Exception as exc:
             self.fail(f"compiling it failed: {type(exc).__name__}: {exc}")
             return None
-        self._unjudged_sizes[key] = [self._tick, 1]
+        self._unjudged_sizes[key] = [self.counters.calls, 1]
         return entry
 
     def static_storages(self) -> set:
@@ -213,42 +238,6 @@ class PartitionRunner:
         names = self.input_names
         return [names[own[id(arg)]] if id(arg) in own and own[id(arg)] < len(names) else None for arg in args]
 
-    def arena_group(self, kind: str, param_storages: frozenset) -> ArenaGroup:
-        """The output arenas of this partition's `kind` graphs for one parameter set."""
-        key = (kind, param_storages)
-        if key not in self._arena_groups:
-            params = self._param_set_ids.setdefault(param_storages, len(self._param_set_ids))
-            self._arena_groups[key] = ArenaGroup(f"{self.name} params {params} {kind}")
-        return self._arena_groups[key]
-
-    def note_layouts(self, kind: str, layouts: Sequence[Any]) -> None:
-        """An eager run of a `kind` graph had these output layouts (arena.output_layouts): remember per position
-        the most bytes any size took."""
-        largest = self._largest_outputs.setdefault(kind, {})
-        for j, layout in enumerate(layouts):
-            if layout is not None:
-                largest[j] = max(largest.get(j, 0), layout[3])
-
-    def batch_of(self, args: Sequence[Any]) -> Optional[int]:
-        """The batch this call's arguments hold, when capture_sizes pads it; else None."""
-        if self._batch_at is None or not self._largest_batch:
-            return None
-        index, dim = self._batch_at
-        return int(args[index].shape[dim])
-
-    def arena_reserve(self, kind: str, layouts: Optional[Sequence[Any]], batch: Optional[int]) -> Dict[int, int]:
-        """Bytes per output position a new arena for `kind` graphs holds at least: the most any size took in
-        warmup runs, and for declared capture sizes the layouts of `batch` grown to the largest size (each dim equal
-        to the batch taken as the batch: exact for row-wise outputs, more than needed where a dim merely equals
-        it). A size that still needs more later supersedes the arena (arena.py)."""
-        reserve = dict(self._largest_outputs.get(kind, {}))
-        if batch and layouts is not None and self._largest_batch > batch:
-            for j, layout in enumerate(layouts):
-                if layout is not None:
-                    grow = (self._largest_batch / batch) ** sum(n == batch for n in layout[1])
-                    reserve[j] = max(reserve.get(j, 0), int(layout[3] * grow))
-        return reserve
-
     def bank_size(self) -> int:
         """How many input signatures (graph-bank keys) have a compiled entry now."""
         return len(self.bank)
@@ -256,10 +245,14 @@ class PartitionRunner:
     def describe(self) -> str:
         return f"partition {self.name}" + (f" ({self.location})" if self.location else "")
 
+    def param_set_number(self, param_storages: frozenset) -> int:
+        """The parameter set's number in graph and arena labels (in order of first capture)."""
+        return self._param_set_ids.setdefault(param_storages, len(self._param_set_ids))
+
     def graph_name(self, args: Sequence[Any], param_storages: frozenset) -> str:
         """A unique, readable name for a new forward/inference graph (its backward's label starts with it):
         partition, frame, the shapes of its non-parameter inputs, which parameter set, a serial number."""
-        params = self._param_set_ids.setdefault(param_storages, len(self._param_set_ids))
+        params = self.param_set_number(param_storages)
         self._serial += 1
         shapes: List[str] = []
         for index, arg in enumerate(args):
@@ -288,7 +281,6 @@ class PartitionRunner:
         while it is one of that parameter set's warmup calls (run eagerly)."""
         state = self._param_set(key)
         state.calls += 1
-        self._tick += 1
         counters = self.counters
         counters.calls += 1
         done = state.warm.get(family, 0)
@@ -300,11 +292,19 @@ class PartitionRunner:
         return True
 
     def note_replay(self, key: int, graph: GraphInstance) -> None:
-        """A call replayed `graph`, captured at an earlier call."""
+        """A call replayed `graph`, captured at an earlier call. At a direct inference call (no aot wrapper around
+        it), the graph becomes this parameter set's steady replay (__call__)."""
         self.counters.replays += 1
         usage = self._usage.get(graph)
         if usage is not None:
-            usage.last_use = self._param_set(key).calls
+            state = self._param_set(key)
+            usage.last_use = state.calls
+            if self._direct is not None and graph.kind == "inference":
+                bank_key, entry = self._direct
+                modes_only = not self.keys.dynamic and not any(bank_key[2:4])
+                plain = graph.plain and graph.arena is None and modes_only and not bank_key[0]
+                self._steady[key] = _SteadyReplay(bank_key, modes_only, bank_key[0], bank_key[1], graph, graph.claim,
+                                                  entry.inference.copy_out, plain, entry.bumped, state, usage)
         self.runtime.note_replay(graph)
 
     def note_capture(self, key: int, graph: GraphInstance, streak: int = 0) -> None:
@@ -391,7 +391,7 @@ class PartitionRunner:
         cycle = max(1, len(self._param_sets))
         counters = self.counters
         for key, (first, calls) in list(self._unjudged_sizes.items()):
-            if not bank_policy.is_judged(first, self._tick, cycle):
+            if not bank_policy.is_judged(first, self.counters.calls, cycle):
                 break
             del self._unjudged_sizes[key]
             self._sizes_judged += 1
@@ -472,6 +472,7 @@ class PartitionRunner:
             return
         self.broken = reason
         self._usage = {}
+        self._steady = {}
         if storm:
             self.counters.stopped = reason
         log.warning("cgcompile: %s runs eagerly from now on: %s", self.describe(), reason)
@@ -486,7 +487,7 @@ class PartitionRunner:
         for entry in self.bank.values():
             entry.discard()
         self.bank = {}
-        self._arena_groups = {}
+        self.arenas.forget_groups()
         self._start_policy()
 
 

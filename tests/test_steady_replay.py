@@ -1,0 +1,161 @@
+"""The steady inference replay (PartitionRunner.__call__): after warmup and capture, a decode step's partition
+calls replay a graph captured at an earlier call through one short path, with the same decisions as the full path
+(graph_family.py): every case it does not cover (an output still held, a parameter moved, another mode, a released
+graph) goes down the full path, and decode stays exact against eager (tokens, caches, version counters)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+import cgcompile
+from tests.models import kv_gpt
+
+PACKAGE = os.path.dirname(cgcompile.__file__)
+
+
+def decode(scope: str, layers: int = 2):
+    model = kv_gpt.build(num_layers=layers).eval()
+    reference = copy.deepcopy(model)
+    options = {"cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": scope, "driver": "emulate"}
+    step = torch.compile(kv_gpt.DecodeStep(model), backend="cudagraph_modules", options=options)
+    return model, reference, step
+
+
+def run(step, model, reference, prompt, steps):
+    with torch.no_grad():
+        got = kv_gpt.generate(step, model, prompt, steps)
+        want = kv_gpt.generate(kv_gpt.DecodeStep(reference), reference, prompt, steps)
+    assert torch.equal(got, want)
+    for (name, cache), ref in zip(model.named_buffers(), reference.buffers()):
+        assert torch.equal(cache, ref), name
+
+
+def partition_calls(fn) -> list:
+    """Per partition call `fn` makes (PartitionRunner.__call__), the names of the cgcompile functions it runs in
+    Python, the emulated device's own work (emulate_driver.py and what it calls) left out."""
+    calls: list = []
+    stack: list = []  # per frame entered: what it is ("partition", "device" or "")
+
+    def profile(frame, event, arg):
+        if event not in ("call", "return"):
+            return
+        code = frame.f_code
+        if event == "return":
+            if stack:
+                stack.pop()
+            return
+        outer = next((kind for kind in reversed(stack) if kind), "")
+        if code.co_name == "__call__" and code.co_filename.endswith("partition_runner.py") and outer != "partition":
+            stack.append("partition")
+            calls.append([code.co_name])
+        elif code.co_filename.endswith("emulate_driver.py") and outer == "partition":
+            stack.append("device")
+        else:
+            stack.append("")
+            if outer == "partition" and code.co_filename.startswith(PACKAGE):
+                calls[-1].append(code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("scope", ["layer", "block"])
+def test_a_steady_decode_step_replays_each_partition_through_the_short_path(scope):
+    model, reference, step = decode(scope)
+    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+    run(step, model, reference, prompt, 12)  # warmup (3), capture, replays until the bank policy judged them
+    partitions = len(cgcompile.stats()["partitions"])
+    before = cgcompile.stats()["steady_replays"]
+    calls = partition_calls(lambda: run(step, model, reference, prompt, 4))
+    steady = cgcompile.stats()["steady_replays"] - before
+    assert steady == len(calls) == 4 * partitions  # every partition call replayed a graph captured earlier
+    # what a replay runs in Python: the call, the memory claim, the pool rule, the replay, the replay count; the
+    # pool rule also finds the graphs after it free once a step (the previous step's layers: held), and the bank
+    # policy sweeps a layer's graphs once per RELEASE_WINDOW of its calls
+    core = ["__call__", "take", "enter_replay", "replay_plain", "add_replay"]
+    sweep = {"after_call", "_sweep", "_cycle", "_graphs_of", "is_stale", "release_graphs"}
+    for names in calls:
+        assert [name for name in names if name in core] == core, names
+        assert set(names) - set(core) <= {"held"} | sweep, names
+    held_checks = sum(name == "held" for names in calls for name in names)
+    assert held_checks <= 2 * len(calls)  # graph.held and its claim's, at most once per graph and step
+    assert sum(name == "after_call" for names in calls for name in names) <= len(calls) // 8
+
+
+@pytest.mark.parametrize("scope", ["layer", "block"])
+def test_a_cache_written_by_a_steady_replay_bumps_its_version_every_call(scope):
+    """Autograd's saved-tensor check compares versions: a replay that writes the cache must bump it, as eager's
+    index_copy_ does (aot's wrapper does it for the graph it calls; the steady path does it itself)."""
+    model, reference, step = decode(scope)
+    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+    run(step, model, reference, prompt, 6)
+    versions = [buffer._version for name, buffer in model.named_buffers() if "cache" in name]
+    run(step, model, reference, prompt, 1)  # prefill is eager; the one decode call is a steady replay
+    now = [buffer._version for name, buffer in model.named_buffers() if "cache" in name]
+    assert all(b > a + 1 for a, b in zip(versions, now)), (versions, now)  # prefill's write, and the replay's
+
+
+def test_outputs_a_caller_keeps_are_handed_out_as_copies_by_the_steady_path():
+    """A caller keeping every output (clone_outputs=False: the frame hands out the partition's output itself): the
+    warmup runs show the output still referenced at the next call, so from the capture on that position is handed
+    out as a copy, and the steady path replays the one graph with that copy (the full replay, not the plain one),
+    never overwriting what the caller keeps."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 6)).eval()
+    compiled = torch.compile(model, backend="cudagraph_modules", options={"driver": "emulate", "clone_outputs": False})
+    inputs = [torch.randn(5, 6, generator=torch.Generator().manual_seed(i)) for i in range(10)]
+    with torch.no_grad():
+        kept = [compiled(x) for x in inputs[:-1]]
+        calls = partition_calls(lambda: kept.append(compiled(inputs[-1])))
+        want = [model(x) for x in inputs]
+    for got, expected in zip(kept, want):
+        assert torch.equal(got, expected)
+    (row,) = cgcompile.stats()["partitions"]
+    assert row["copied_outputs"] == 1 and row["captures"] == 1
+    (graph,) = cgcompile.stats()["graphs"]
+    assert graph["steady_replays"] == len(kept) - 4  # all but the three warmup calls and the capture call
+    (names,) = calls
+    assert names == ["__call__", "take", "enter_replay", "replay", "replayed", "add_replay"], names
+
+
+def test_a_parameter_moved_between_steady_replays_is_captured_again():
+    model, reference, step = decode("block")
+    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+    run(step, model, reference, prompt, 6)
+    for m in (model, reference):
+        with torch.no_grad():
+            m.layers[1].mlp.fc.weight.data = m.layers[1].mlp.fc.weight.data * 1.5  # same Parameter, new memory
+    recaptures = len(cgcompile.stats()["recaptures"])
+    run(step, model, reference, prompt, 4)  # the moved weight's new values are read
+    assert len(cgcompile.stats()["recaptures"]) == recaptures + 1
+
+
+def test_another_grad_mode_has_its_own_graph_and_the_steady_path_comes_back():
+    """Dynamo compiles the frame again under inference_mode (its global-state guard): that frame's partition has
+    its own graph; back under no_grad, the first frame's steady replay serves the calls again."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    compiled = torch.compile(model, backend="cudagraph_modules", options={"driver": "emulate"})
+    x = torch.randn(2, 8)
+    for context in [torch.no_grad] * 6 + [torch.inference_mode] * 6 + [torch.no_grad] * 3:
+        with context():
+            assert torch.equal(compiled(x), model(x))
+    no_grad, inference = sorted(cgcompile.stats()["graphs"], key=lambda g: g["label"])
+    assert (no_grad["steady_replays"], inference["steady_replays"]) == (2 + 3, 2)
+
+
+def test_after_release_the_steady_path_warms_up_and_captures_again():
+    model, reference, step = decode("layer")
+    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+    run(step, model, reference, prompt, 6)
+    cgcompile.release()
+    assert cgcompile.stats()["graphs"] == []
+    run(step, model, reference, prompt, 6)
+    assert len(cgcompile.stats()["graphs"]) == len(cgcompile.stats()["partitions"])
