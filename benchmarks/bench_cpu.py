@@ -344,6 +344,9 @@ def print_replay_cost(quick: bool) -> None:
     for name, vs, o, b, goal in rows:
         verdict = "PASS" if within(o / b, goal) else "MISS"
         print(f"  {name}: {o * 1e6:.1f} us vs {vs} {b * 1e6:.1f} us: {o / b:.2f}x, goal <= {goal:.2f}x  {verdict}")
+    checks = replay_cost.address_check_times(calls=calls, repeats=repeats)
+    print("  fixed-address check of 118 parameters, per way available here: " +
+          ", ".join(f"{impl} {seconds * 1e6:.2f} us" for impl, seconds in checks.items()))
     print("(g) reuse on the loops of issue 27 (reuse: replays per call after the capture step)")
     for name, row, goal, met in replay_cost.reuse_rows(quick):
         print(f"  {name}: captured {row['captured']}, live {row['live']}, released {row['released']}, stops "

@@ -503,6 +503,12 @@ def host_time_rows(device: str, quick: bool) -> None:
             print(f"  decode {scope} scope: n/a: {error_line(exc)}")
             continue
         print(f"  decode {scope} scope: {ours * 1e6:.1f} us vs minimal {minimal * 1e6:.1f} us: {ours / minimal:.2f}x")
+    try:  # which way of checking fixed addresses is fastest on this build (the runtime uses the first listed)
+        checks = replay_cost.address_check_times(calls=200 if quick else 2000, device=device)
+        print("  fixed-address check of 118 parameters: " +
+              ", ".join(f"{impl} {seconds * 1e6:.2f} us" for impl, seconds in checks.items()))
+    except Exception as exc:
+        print(f"  fixed-address check: n/a: {error_line(exc)}")
 
 
 def main(argv=None) -> int:

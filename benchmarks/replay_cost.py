@@ -32,7 +32,7 @@ from cgcompile.runtime import partition_runner
 from cgcompile.runtime.emulate_driver import EmulatedGraph
 from tests.models import kv_gpt
 
-__all__ = ["decode_host_times", "depth_host_times", "reuse_rows"]
+__all__ = ["address_check_times", "decode_host_times", "depth_host_times", "reuse_rows"]
 
 
 class MinimalWrapper:
@@ -147,6 +147,21 @@ def decode_host_times(scope: str, layers: int = 8, calls: int = 2000, repeats: i
             minimal.append(statistics.median(times["minimal"]))
             del runners, runner, args, entry, wrapper
     return sum(ours) / len(ours), sum(minimal) / len(minimal)
+
+
+def address_check_times(count: int = 118, calls: int = 2000, repeats: int = 7, device: str = "cpu") -> Dict[str, float]:
+    """Per way of checking fixed input addresses available here (_compat.ADDRESS_CHECK_IMPLS): median seconds to
+    check `count` parameters' addresses (block-scope decode checks 118), all matching."""
+    from cgcompile import _compat
+
+    args = [nn.Parameter(torch.randn(8, device=device)) for _ in range(count)]
+    found = {}
+    with collector_paused():
+        for impl in _compat.ADDRESS_CHECK_IMPLS:
+            check = _compat.AddressCheck(range(count), [a.data_ptr() for a in args], impl)
+            assert check.matches(args)
+            found[impl] = statistics.median(_per_call(lambda: check.matches(args), calls) for _ in range(repeats))
+    return found
 
 
 class BreakBlock(nn.Module):

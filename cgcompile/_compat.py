@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
-__all__ = ["FsdpParam", "TorchDispatchMode", "aot_compile", "boxed", "copy_all", "cuda_end_allocate_to_pool",
-           "cuda_release_pool", "ADDRESS_CHECK_IMPL", "ADDRESS_CHECK_IMPLS", "AddressCheck", "at_backward_end", "direct_inference", "storage_weak_ref",
-           "dynamo_frame", "fsdp2_keep_unsharded", "fsdp2_params", "fsdp2_restore_free", "functorch_level",
-           "generator_capture_state_outlives_failure", "any_autocast", "increment_versions", "set_grad_enabled", "is_unregistered_generator_error", "is_wrapper_subclass", "pop_functorch_level",
-           "resolve_overload", "storage_key", "storage_use_count", "tree_flatten", "tree_unflatten"]
+__all__ = ["ADDRESS_CHECK_IMPL", "ADDRESS_CHECK_IMPLS", "AddressCheck", "any_autocast", "aot_compile",
+           "at_backward_end", "boxed", "by_position_check", "copy_all", "cuda_end_allocate_to_pool",
+           "cuda_release_pool", "direct_inference", "dynamo_frame", "fsdp2_keep_unsharded", "fsdp2_params",
+           "fsdp2_restore_free", "FsdpParam", "functorch_level", "generator_capture_state_outlives_failure",
+           "increment_versions", "is_unregistered_generator_error", "is_wrapper_subclass", "pop_functorch_level",
+           "resolve_overload", "set_grad_enabled", "storage_key", "storage_use_count", "storage_weak_ref",
+           "TorchDispatchMode", "tree_flatten", "tree_unflatten"]
 
 # torch.utils._pytree: the pytree helpers torch.compile itself uses; private module, stable API; checked 2.11, 2.13.
 from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: E402
@@ -199,21 +201,41 @@ def _compiled_address_check() -> Optional[Callable[[tuple, tuple], Callable[[Seq
 
 
 _COMPILED_CHECK = _compiled_address_check()
-# The ways AddressCheck can compare here, fastest first: "torch" (CUDA builds), "compiled" (cgcompile's helper),
-# "python" (one data_ptr() call per tensor). ADDRESS_CHECK_IMPL, the first, is what the runtime uses (and what
-# bench_cpu prints beside its host-time rows).
-ADDRESS_CHECK_IMPLS = tuple(name for name, present in (("torch", _DATA_PTRS_EQUAL is not None),
-                                                      ("compiled", _COMPILED_CHECK is not None), ("python", True))
+
+
+def by_position_check(equal: Callable[[list, list, list], bool], indices: Sequence[int],
+                      ptrs: Sequence[int]) -> Callable[[Sequence[Any]], bool]:
+    """A check through a function of torch's contract for `_tensors_data_ptrs_at_indices_equal(tensors, data_ptrs,
+    indices)`: three lists, the expected pointers by argument position (CUDA builds; what cudagraph_trees checks
+    static inputs with; checked 2.11, 2.13). The lists it takes are made once per argument count."""
+    last = max(indices)
+    positions = list(indices)
+    by_count: Dict[int, List[Optional[int]]] = {}
+
+    def expected(count: int) -> List[Optional[int]]:
+        made: List[Optional[int]] = [None] * count
+        for i, ptr in zip(indices, ptrs):
+            made[i] = ptr
+        return by_count.setdefault(count, made)
+
+    return lambda args: len(args) > last and equal(list(args), by_count.get(len(args)) or expected(len(args)),
+                                                   positions)
+
+
+# The ways AddressCheck can compare here, in the order it prefers them: "compiled" (cgcompile's helper: 0.6 us for
+# 118 parameters on this project's CPU machine, where "python" takes 7.5 us; bench_cpu table (g)), "torch" (CUDA
+# builds' own: pybind casts per argument, not measured here; bench_gpu prints the two side by side), "python" (one
+# data_ptr() call per tensor). ADDRESS_CHECK_IMPL, the first, is what the runtime uses.
+ADDRESS_CHECK_IMPLS = tuple(name for name, present in (("compiled", _COMPILED_CHECK is not None),
+                                                      ("torch", _DATA_PTRS_EQUAL is not None), ("python", True))
                             if present)
 ADDRESS_CHECK_IMPL = ADDRESS_CHECK_IMPLS[0]
 
 
 class AddressCheck:
-    """`matches(args)`: is args[i].data_ptr() == ptrs[k] for each k, i in enumerate(indices)? In one C call: torch's
-    own where it has one, torch._C._tensors_data_ptrs_at_indices_equal(tensors, ptrs by position, indices) (CUDA
-    builds; what cudagraph_trees checks static inputs with; checked 2.11, 2.13; absent from CPU wheels); else
-    cgcompile's compiled helper; else one pass of map() over the Python method. `impl` picks one of
-    ADDRESS_CHECK_IMPLS (tests compare them)."""
+    """`matches(args)`: is args[i].data_ptr() == ptrs[k] for each k, i in enumerate(indices)? In one C call where
+    one is available (ADDRESS_CHECK_IMPLS), else one pass of map() over the Python method. `impl` picks one of
+    ADDRESS_CHECK_IMPLS (tests and benchmarks compare them)."""
 
     def __init__(self, indices: Sequence[int], ptrs: Sequence[int], impl: str = ADDRESS_CHECK_IMPL):
         if impl not in ADDRESS_CHECK_IMPLS:
@@ -226,15 +248,11 @@ class AddressCheck:
         indices, ptrs = self.indices, self.ptrs
         if not indices:
             return lambda args: True
-        last = max(indices)  # an argument list too short to hold them all does not match
-        if impl == "torch":
-            by_position: List[Optional[int]] = [None] * (last + 1)
-            for i, ptr in zip(indices, ptrs):
-                by_position[i] = ptr
-            return lambda args: len(args) > last and _DATA_PTRS_EQUAL(
-                list(args), by_position + [None] * (len(args) - len(by_position)), list(indices))
         if impl == "compiled":
             return _COMPILED_CHECK(indices, ptrs)
+        if impl == "torch":
+            return by_position_check(_DATA_PTRS_EQUAL, indices, ptrs)
+        last = max(indices)  # an argument list too short to hold them all does not match
         expected = list(ptrs)
         return lambda args: len(args) > last and list(map(_DATA_PTR, map(args.__getitem__, indices))) == expected
 

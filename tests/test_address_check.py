@@ -73,3 +73,26 @@ def test_ci_builds_the_compiled_helper():
     if not os.environ.get("CI"):
         pytest.skip("only required where CI runs: without a C++ compiler the Python fallback is used")
     assert "compiled" in IMPLS, IMPLS
+
+
+def _torch_contract(tensors: list, data_ptrs: list, indices: list) -> bool:
+    """torch._C._tensors_data_ptrs_at_indices_equal as CUDA builds define it (three lists, the pointers by
+    argument position): only CUDA builds have it, so the CPU tests check cgcompile's side of the call with this."""
+    assert type(tensors) is list and type(data_ptrs) is list and type(indices) is list
+    return all(tensors[i].data_ptr() == data_ptrs[i] for i in indices)
+
+
+@settings(max_examples=40, deadline=None)
+@given(chosen=st.lists(st.integers(0, 6), min_size=1, max_size=7, unique=True), moved=st.sets(st.integers(0, 6)),
+       as_tuple=st.booleans())
+def test_the_torch_builds_check_is_called_with_its_contracts_lists(chosen, moved, as_tuple):
+    args = _arguments()
+    indices = sorted(chosen)
+    ptrs = [args[i].data_ptr() for i in indices]
+    check = _compat.by_position_check(_torch_contract, indices, ptrs)
+    assert check(tuple(args) if as_tuple else args)
+    for i in moved:
+        if args[i].numel():
+            args[i].data = args[i].data.clone()
+    for call in (tuple(args) if as_tuple else args, args + [torch.randn(1)], args[:max(indices)]):
+        assert check(call) == _expected(call, indices, ptrs)  # another argument count makes its own lists

@@ -1,9 +1,9 @@
 // cgcompile._address_check: are these tensors' data pointers the ones a captured graph recorded?
 //
 // A replay reads its parameters, borrowed and in-place inputs at the addresses recorded at capture, so every
-// replay checks them. CUDA builds of torch do this in one call (torch._C._tensors_data_ptrs_at_indices_equal);
-// CPU builds do not have it, and one Python-level data_ptr() per tensor costs more than the rest of a replay
-// for a partition taking a hundred parameters. This module is that one call for any build. It needs no torch
+// replay checks them. One Python-level data_ptr() per tensor costs more than the rest of a replay for a partition
+// taking a hundred parameters; CUDA builds of torch have one call for it (torch._C._tensors_data_ptrs_at_indices_equal,
+// pybind casts per argument), CPU builds none. This module is that one call for any build. It needs no torch
 // headers: the data pointer of a plain Tensor or Parameter is read through the C function torch exports for
 // Inductor's own C++ kernel bindings (its address is handed over by cgcompile/_compat.py, which checks it
 // exists); any other object (a tensor subclass) is asked through its Python data_ptr() method.

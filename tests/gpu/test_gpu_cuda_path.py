@@ -116,3 +116,21 @@ def test_a_single_graph_frame_whose_parameter_moved_is_captured_again():
     st = cgcompile.stats()
     assert st["eager_fallbacks"] == [] and len(st["recaptures"]) >= 1, st
     assert kept.shape == (4, 16)
+
+
+def test_every_address_check_available_on_a_cuda_build_agrees_on_cuda_tensors():
+    """CUDA builds have torch's own one-call check besides cgcompile's compiled helper: both (and the Python
+    fallback) answer what data_ptr() comparisons answer, for CUDA parameters, moved or not."""
+    from cgcompile import _compat
+
+    assert "torch" in _compat.ADDRESS_CHECK_IMPLS
+    args = [torch.nn.Parameter(torch.randn(8, device="cuda")) for _ in range(6)]
+    indices = [0, 2, 3, 5]
+    checks = {impl: _compat.AddressCheck(indices, [args[i].data_ptr() for i in indices], impl)
+              for impl in _compat.ADDRESS_CHECK_IMPLS}
+    assert all(check.matches(args) for check in checks.values())
+    args[3].data = args[3].data.clone()
+    assert not any(check.matches(args) for check in checks.values())
+    assert all(check.matches(args) for check in {
+        impl: _compat.AddressCheck([0, 2], [args[0].data_ptr(), args[2].data_ptr()], impl)
+        for impl in _compat.ADDRESS_CHECK_IMPLS}.values())
