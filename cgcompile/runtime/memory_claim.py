@@ -64,10 +64,26 @@ class MemoryClaim:
         self._free = False
 
     def held(self) -> bool:
-        """Does anything beyond the runtime reference this memory? A free answer is cached until the next replay.
-        (On every replay's path: loops that stop at the first holder, no lists built.)"""
+        """Does anything beyond the runtime reference this memory? A free answer is cached until the next replay."""
         if self._free:
             return False
+        if self._referenced():
+            return True
+        self._free = True
+        return False
+
+    def take(self) -> bool:
+        """For a replay about to run (the steady replay, partition_runner.py): False when the memory is held; else
+        True, and the memory counts as replayed from now on (if the replay then does not run, the next held() looks
+        again)."""
+        if not self._free and self._referenced():
+            return False
+        self._free = False
+        return True
+
+    def _referenced(self) -> bool:
+        """An alias handed out alive, or a storage used beyond its idle count (on every replay's path: loops that
+        stop at the first holder, no lists built)."""
         for ref in self._handed:
             if ref is not None and ref() is not None:
                 return True
@@ -75,23 +91,7 @@ class MemoryClaim:
         for handle, idle in self._watched:
             if use_count(handle) > idle:
                 return True
-        self._free = True
         return False
-
-    def take(self) -> bool:
-        """For a replay about to run (the steady replay, partition_runner.py): False when the memory is held; else
-        True, and the memory counts as replayed from now on (if the replay then does not run, the next held() looks
-        again). held()'s loops written out once more: one call on every steady replay instead of two."""
-        if not self._free:
-            for ref in self._handed:
-                if ref is not None and ref() is not None:
-                    return False
-            use_count = _compat.storage_use_count
-            for handle, idle in self._watched:
-                if use_count(handle) > idle:
-                    return False
-        self._free = False
-        return True
 
     def held_storages(self) -> Set[int]:
         """The storages referenced beyond their idle count now."""

@@ -255,12 +255,9 @@ class ModelRuntime:
     def enter_replay(self, graph: GraphInstance) -> bool:
         """pool_blocker and note_replay in one call, for the steady replay (partition_runner.py): when no graph
         captured after `graph` is held, note it in flight (its replay follows at once) and say True."""
-        in_flight, position = self._in_flight, graph.pool_position
-        while in_flight and in_flight[-1] > position:
-            later = self._pooled[in_flight[-1]]
-            if later is not None and later.held():
-                return False
-            in_flight.pop()
+        if self.pool_blocker(graph) is not None:
+            return False
+        in_flight, position = self._in_flight, graph.pool_position  # after pool_blocker: none after it is left
         if not in_flight or in_flight[-1] != position:
             in_flight.append(position)
         if self._wave_open and graph.replays:  # a replay after the call that captured it
