@@ -17,8 +17,8 @@ __all__ = ["ADDRESS_CHECK_IMPL", "ADDRESS_CHECK_IMPLS", "AddressCheck", "any_aut
            "cuda_release_pool", "direct_inference", "dynamo_frame", "fsdp2_keep_unsharded", "fsdp2_params",
            "fsdp2_restore_free", "FsdpParam", "functorch_level", "generator_capture_state_outlives_failure",
            "increment_versions", "is_unregistered_generator_error", "is_wrapper_subclass", "pop_functorch_level",
-           "resolve_overload", "set_grad_enabled", "storage_key", "storage_use_count", "storage_weak_ref",
-           "TorchDispatchMode", "tree_flatten", "tree_unflatten"]
+           "resolve_overload", "set_grad_enabled", "set_versions", "storage_key", "storage_use_count",
+           "storage_weak_ref", "TorchDispatchMode", "tree_flatten", "tree_unflatten"]
 
 # torch.utils._pytree: the pytree helpers torch.compile itself uses; private module, stable API; checked 2.11, 2.13.
 from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: E402
@@ -168,6 +168,13 @@ def _version_bumper() -> Callable[[Sequence[torch.Tensor]], None]:
 
         return one_by_one
     return bump
+
+
+def set_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
+    """Put the tensors' version counters back to `versions`: torch._C._autograd._unsafe_set_version_counter (private;
+    what Dynamo and FSDP2 use to hide their own writes from autograd; checked 2.13). The emulate driver hides its
+    replays' writes with it, as a CUDA graph's kernels bump no version counter."""
+    torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))
 
 
 # increment_versions(tensors): bump each tensor's version counter, as aot's wrapper does for inputs a graph writes.

@@ -202,6 +202,24 @@ def test_a_host_to_device_copy_is_a_sync_on_cuda_unless_pinned_and_non_blocking(
         assert host_sync_reason(torch.ops.aten.copy_.default, (gpu, gpu), {}, True) is None
 
 
+def test_capture_and_replay_bump_no_version_counter_of_an_input_they_write():
+    """A CUDA graph's kernels bump no version counter: neither may the emulated capture or replay of a graph that
+    writes a cache in place (the runtime bumps it, as aot's wrapper does; test_steady_replay checks that)."""
+    cache = torch.zeros(4)
+    alias = cache.detach()  # how the runtime holds an input read in place: it shares the version counter
+
+    def write(a):
+        a[0].add_(1.0)
+        return [a[0] * 2]
+
+    before = cache._version
+    graph = EmulateDriver().capture(write, [alias], written=[0])
+    assert torch.equal(cache, torch.zeros(4)) and cache._version == before  # nothing of the capture is left
+    graph.replay()
+    graph.replay()
+    assert torch.equal(cache, torch.full((4,), 2.0)) and cache._version == before  # written, no version bumped
+
+
 # --- memory pools ---------------------------------------------------------------------------------------------
 
 

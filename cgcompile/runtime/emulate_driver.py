@@ -19,6 +19,9 @@ enforces and this driver does not model ships untested. What it models:
   captured after it into the same pool (their temporaries may lie where its own were); a replay here fills the
   outputs of those later graphs with garbage, so a pool or arena rule that replays at the wrong time fails the
   parity tests. A failed capture leaves its pool "recording", as torch does.
+- Version counters: a graph's kernels bump none (autograd never sees them), so neither capture nor replay leaves
+  the version of an input it writes changed; the runtime bumps those itself, as aot's wrapper does around a
+  compiled graph, or autograd's check of a saved tensor would miss the write.
 - Higher-order operators (activation checkpointing's run_and_save_rng_state) pass through every check.
 Not modelled: timing and streams; memory use (no pool sizes); host syncs inside compiled kernels (C++ of an
 Inductor-compiled graph); which tensors live on the host rather than the device (every tensor is the device's:
@@ -257,9 +260,11 @@ class EmulatedGraph(CapturedGraph):
     checked against the capture's op record, and overwrites the memory of later graphs of its pool."""
 
     def __init__(self, fn: Fn, static_inputs: Sequence[Any], static_outputs: Sequence[Any], record: OpRecord,
-                 pool: Optional[_Pool]):
+                 pool: Optional[_Pool], written: Sequence[int] = ()):
         super().__init__(static_inputs, static_outputs)
         self.fn = fn
+        # the inputs it writes: their version counters (shared with the caller's tensors) come out unchanged
+        self.written = [static_inputs[i] for i in written if isinstance(static_inputs[i], torch.Tensor)]
         self.record = record
         self.pool_memory = _fresh_outputs(static_outputs, static_inputs)
         self.pool = pool
@@ -267,10 +272,13 @@ class EmulatedGraph(CapturedGraph):
 
     def replay(self) -> List[Any]:
         with torch.no_grad(), torch.profiler.record_function(REPLAY_RANGE):
+            versions = [t._version for t in self.written]
             checker = _Checker(self.record, "a graph replay")
             with checker:
                 fresh = self.fn(list(self.static_inputs))
             checker.done()
+            if self.written:
+                _compat.set_versions(self.written, versions)
             for static, new in zip(self.static_outputs, fresh):
                 if not isinstance(static, torch.Tensor) or new is static:
                     continue
@@ -307,6 +315,8 @@ class EmulateDriver(Driver):
             raise CaptureError("CUDA graph capture failed: beginAllocateToPool: already recording to mempool_id "
                                "(emulated: an earlier capture into this pool failed)")
         undo = WriteUndo([static_inputs[i] for i in written])
+        changed = [t for i, t in enumerate(static_inputs) if isinstance(t, torch.Tensor) and i in set(written)]
+        versions = [t._version for t in changed]
         recorder = _Recorder({_compat.storage_key(t)[0] for t in static_inputs if isinstance(t, torch.Tensor)})
         try:
             # A real capture runs nothing: no write (undo), no random draw and no state change may survive it.
@@ -321,7 +331,9 @@ class EmulateDriver(Driver):
             raise
         finally:
             undo.restore()
+            if changed:
+                _compat.set_versions(changed, versions)
         graph = EmulatedGraph(fn, static_inputs, outputs, recorder.finish(outputs),
-                              self._pools.setdefault(pool, _Pool()) if pool is not None else None)
+                              self._pools.setdefault(pool, _Pool()) if pool is not None else None, written)
         _poison(graph.pool_memory)
         return graph
