@@ -18,8 +18,6 @@ _lock = threading.Lock()
 def _zero() -> Dict[str, Any]:
     return {
         "graphs_captured": 0,    # driver captures (forward, backward and inference graphs each count one)
-        "replays": 0,            # graph replays, the run of the call that captured a graph included
-        "steady_replays": 0,     # replays of a graph after the call that captured it: what pays for a capture
         "eager_fallbacks": [],   # {"partition", "reason"}: each distinct (partition, reason) once
         "recaptures": [],        # {"partition", "reason"}: every re-capture of an existing graph
         "pool_bytes": 0,         # device memory reserved while capturing (CUDA only; 0 elsewhere)
@@ -49,6 +47,8 @@ _replay_counts: List[_ReplayCounts] = []  # every thread's (a finished thread's 
 
 
 def _replays() -> Dict[str, int]:
+    """`replays`: graph replays, the run of the call that captured a graph included; `steady_replays`: replays of
+    a graph after the call that captured it (what pays for a capture)."""
     return {"replays": sum(c.replays for c in _replay_counts), "steady_replays": sum(c.steady for c in _replay_counts)}
 
 

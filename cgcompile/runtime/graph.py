@@ -298,7 +298,7 @@ class GraphInstance:
             _compat.set_grad_enabled(False)
         try:
             if self.copies:  # one dispatch (a caller passing our own buffer back copies it onto itself: a no-op)
-                _compat.copy_all(self.copy_buffers, self._copy_sources(args))
+                _copy_all(self.copy_buffers, self._copy_sources(args))
             for i in self.expanded_copies:
                 copy_into(self.captured.static_inputs[i], args[i])
             static = self.captured.replay()
