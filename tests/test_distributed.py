@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 import pytest
 import torch
@@ -185,6 +186,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 ep_moe.loss(compiled, tokens).backward()
             plans.extend(rec.graphs)
         result["whole_layer_plans"] = [_plan_summary(gp, gm) for gp, gm in zip(plans, gms)]
+    except BaseException:
+        traceback.print_exc()  # now: a teardown that aborts (gloo's threads) would swallow the traceback
+        sys.stderr.flush()
+        raise
     finally:
         dist.destroy_process_group()
     write_result(out_dir, rank, result)

@@ -116,6 +116,24 @@ def test_a_cache_written_by_a_steady_replay_bumps_its_version_as_eager_does(scop
     assert got == versions_after_one_step(reference, kv_gpt.DecodeStep(reference)) == [1] * len(got)
 
 
+def test_caches_made_under_inference_mode_have_no_version_and_decode_replays():
+    """A model built under inference_mode holds inference tensors, which have no version counter: nothing reads or
+    bumps one, and the decode step is captured and replayed like eager."""
+    with torch.inference_mode():
+        model = kv_gpt.build(num_layers=2).eval()
+        reference = kv_gpt.build(num_layers=2).eval()
+    options = {"cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": "block", "driver": "emulate"}
+    step = torch.compile(kv_gpt.DecodeStep(model), backend="cudagraph_modules", options=options)
+    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+    cgcompile.reset_stats()
+    with torch.inference_mode():
+        got = kv_gpt.generate(step, model, prompt, 8)
+        want = kv_gpt.generate(kv_gpt.DecodeStep(reference), reference, prompt, 8)
+    assert torch.equal(got, want)
+    st = cgcompile.stats()
+    assert st["eager_fallbacks"] == [] and st["steady_replays"] == 8 - 4  # all but warmup (3) and capture
+
+
 def test_outputs_a_caller_keeps_are_handed_out_as_copies_by_the_steady_path():
     """A caller keeping every output (clone_outputs=False: the frame hands out the partition's output itself): the
     warmup runs show the output still referenced at the next call, so from the capture on that position is handed

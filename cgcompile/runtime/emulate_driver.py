@@ -252,6 +252,12 @@ class _Pool:
             bisect.insort(valid, position)
 
 
+def _versioned(values: Sequence[Any]) -> List[torch.Tensor]:
+    """The tensors among `values` that have a version counter (an inference tensor, made under inference_mode, has
+    none)."""
+    return [v for v in values if isinstance(v, torch.Tensor) and not v.is_inference()]
+
+
 # --- the driver ------------------------------------------------------------------------------------------------
 
 
@@ -264,7 +270,7 @@ class EmulatedGraph(CapturedGraph):
         super().__init__(static_inputs, static_outputs)
         self.fn = fn
         # the inputs it writes: their version counters (shared with the caller's tensors) come out unchanged
-        self.written = [static_inputs[i] for i in written if isinstance(static_inputs[i], torch.Tensor)]
+        self.written = _versioned([static_inputs[i] for i in written])
         self.record = record
         self.pool_memory = _fresh_outputs(static_outputs, static_inputs)
         self.pool = pool
@@ -315,7 +321,7 @@ class EmulateDriver(Driver):
             raise CaptureError("CUDA graph capture failed: beginAllocateToPool: already recording to mempool_id "
                                "(emulated: an earlier capture into this pool failed)")
         undo = WriteUndo([static_inputs[i] for i in written])
-        changed = [t for i, t in enumerate(static_inputs) if isinstance(t, torch.Tensor) and i in set(written)]
+        changed = _versioned([static_inputs[i] for i in written])
         versions = [t._version for t in changed]
         recorder = _Recorder({_compat.storage_key(t)[0] for t in static_inputs if isinstance(t, torch.Tensor)})
         try:

@@ -1,0 +1,39 @@
+"""The worker launcher of the distributed tests (tests/spawn.py): workers a signal ended are started once more,
+the first attempt reported as a warning; a worker failing with a Python error fails the test at once."""
+
+import textwrap
+
+import pytest
+
+from tests.spawn import run_ranks
+
+WORKER = textwrap.dedent('''
+    import os, sys
+    sys.path.insert(0, os.environ["PYTHONPATH"])
+    from tests.spawn import write_result
+    rank, out = int(sys.argv[1]), sys.argv[4]
+    marker = os.path.join(out, "attempted")
+    if rank == 0 and not os.path.exists(marker):
+        open(marker, "w").close()
+        if "{mode}" == "abort":
+            os.abort()  # as gloo's threads end a process: SIGABRT
+        raise RuntimeError("a real failure")
+    write_result(out, rank, {{"rank": rank}})
+''')
+
+
+def _script(tmp_path, mode):
+    path = tmp_path / f"worker_{mode}.py"
+    path.write_text(WORKER.format(mode=mode))
+    return str(path)
+
+
+def test_workers_a_signal_ended_run_once_more_with_the_first_output_kept(tmp_path):
+    with pytest.warns(UserWarning, match=r"ended by a signal; started once more(.|\n)*rank 0 \(exit -6, result absent\)"):
+        results = run_ranks(_script(tmp_path, "abort"), tmp_path, 2, 60, "test")
+    assert [r["rank"] for r in results] == [0, 1]
+
+
+def test_a_worker_failing_with_a_python_error_fails_at_once(tmp_path):
+    with pytest.raises(pytest.fail.Exception, match=r"test workers failed:(.|\n)*RuntimeError: a real failure"):
+        run_ranks(_script(tmp_path, "error"), tmp_path, 2, 60, "test")
