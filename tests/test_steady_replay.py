@@ -81,7 +81,7 @@ def test_a_steady_decode_step_replays_each_partition_through_the_short_path(scop
     # what a replay runs in Python: the call, the memory claim, the pool rule, the replay, the replay count; the
     # pool rule also finds the graphs after it free once a step (the previous step's layers: held), and the bank
     # policy sweeps a layer's graphs once per RELEASE_WINDOW of its calls
-    core = ["__call__", "take", "enter_replay", "pool_blocker", "replay_plain", "add_replay"]  # (take: _referenced
+    core = ["__call__", "take", "pool_blocker", "replay_plain", "add_replay", "note_replay"]  # (take: _referenced
     # unless the pool rule found the graph free already)
     sweep = {"after_call", "_sweep", "_cycle", "_graphs_of", "is_stale", "release_graphs"}
     for names in calls:
@@ -153,8 +153,8 @@ def test_outputs_a_caller_keeps_are_handed_out_as_copies_by_the_steady_path():
     (graph,) = cgcompile.stats()["graphs"]
     assert graph["steady_replays"] == len(kept) - 4  # all but the three warmup calls and the capture call
     (names,) = calls
-    assert names == ["__call__", "take", "_referenced", "enter_replay", "pool_blocker", "replay", "replayed",
-                     "add_replay"], names
+    assert names == ["__call__", "take", "_referenced", "pool_blocker", "replay", "replayed", "add_replay",
+                     "note_replay"], names
 
 
 def test_a_parameter_moved_between_steady_replays_is_captured_again():

@@ -62,12 +62,16 @@ struct Expected {
     uintptr_t* ptrs;
 };
 
+void release(Expected* expected) {
+    PyMem_Free(expected->indices);
+    PyMem_Free(expected->ptrs);
+    PyMem_Free(expected);
+}
+
 void free_expected(PyObject* capsule) {
     auto* expected = static_cast<Expected*>(PyCapsule_GetPointer(capsule, nullptr));
     if (expected != nullptr) {
-        PyMem_Free(expected->indices);
-        PyMem_Free(expected->ptrs);
-        PyMem_Free(expected);
+        release(expected);
     }
 }
 
@@ -91,18 +95,14 @@ PyObject* prepare(PyObject*, PyObject* args) {
     expected->indices = static_cast<Py_ssize_t*>(PyMem_Malloc(sizeof(Py_ssize_t) * (count ? count : 1)));
     expected->ptrs = static_cast<uintptr_t*>(PyMem_Malloc(sizeof(uintptr_t) * (count ? count : 1)));
     if (expected->indices == nullptr || expected->ptrs == nullptr) {
-        PyMem_Free(expected->indices);
-        PyMem_Free(expected->ptrs);
-        PyMem_Free(expected);
+        release(expected);
         return PyErr_NoMemory();
     }
     for (Py_ssize_t k = 0; k < count; ++k) {
         expected->indices[k] = PyLong_AsSsize_t(PyTuple_GET_ITEM(indices, k));
         expected->ptrs[k] = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(ptrs, k)));
         if (PyErr_Occurred() || expected->indices[k] < 0) {
-            PyMem_Free(expected->indices);
-            PyMem_Free(expected->ptrs);
-            PyMem_Free(expected);
+            release(expected);
             if (!PyErr_Occurred()) {
                 PyErr_SetString(PyExc_ValueError, "prepare: a negative index");
             }
@@ -111,9 +111,7 @@ PyObject* prepare(PyObject*, PyObject* args) {
     }
     PyObject* capsule = PyCapsule_New(expected, nullptr, free_expected);
     if (capsule == nullptr) {
-        PyMem_Free(expected->indices);
-        PyMem_Free(expected->ptrs);
-        PyMem_Free(expected);
+        release(expected);
     }
     return capsule;
 }

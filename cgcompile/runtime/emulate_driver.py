@@ -266,11 +266,11 @@ class EmulatedGraph(CapturedGraph):
     checked against the capture's op record, and overwrites the memory of later graphs of its pool."""
 
     def __init__(self, fn: Fn, static_inputs: Sequence[Any], static_outputs: Sequence[Any], record: OpRecord,
-                 pool: Optional[_Pool], written: Sequence[int] = ()):
+                 pool: Optional[_Pool], written: Sequence[torch.Tensor] = ()):
         super().__init__(static_inputs, static_outputs)
         self.fn = fn
-        # the inputs it writes: their version counters (shared with the caller's tensors) come out unchanged
-        self.written = _versioned([static_inputs[i] for i in written])
+        # the inputs it writes with a version counter (shared with the caller's tensors): it comes out unchanged
+        self.written = list(written)
         self.record = record
         self.pool_memory = _fresh_outputs(static_outputs, static_inputs)
         self.pool = pool
@@ -340,6 +340,6 @@ class EmulateDriver(Driver):
             if changed:
                 _compat.set_versions(changed, versions)
         graph = EmulatedGraph(fn, static_inputs, outputs, recorder.finish(outputs),
-                              self._pools.setdefault(pool, _Pool()) if pool is not None else None, written)
+                              self._pools.setdefault(pool, _Pool()) if pool is not None else None, changed)
         _poison(graph.pool_memory)
         return graph

@@ -252,19 +252,6 @@ class ModelRuntime:
             in_flight.pop()
         return None
 
-    def enter_replay(self, graph: GraphInstance) -> bool:
-        """pool_blocker and note_replay in one call, for the steady replay (partition_runner.py): when no graph
-        captured after `graph` is held, note it in flight (its replay follows at once) and say True."""
-        if self.pool_blocker(graph) is not None:
-            return False
-        in_flight, position = self._in_flight, graph.pool_position  # after pool_blocker: none after it is left
-        if not in_flight or in_flight[-1] != position:
-            in_flight.append(position)
-        if self._wave_open and graph.replays:  # a replay after the call that captured it
-            self._wave_open = False
-            self.log_capture_summary()
-        return True
-
     def note_replay(self, graph: GraphInstance) -> None:
         """A graph replayed: it is in flight until found free. Its first replay after the call that captured it
         ends the capture wave."""

@@ -153,9 +153,10 @@ class PartitionRunner:
                         _is_grad_enabled() is record.grad and _is_inference_mode_enabled() is record.inference
                         and not _any_autocast() if record.modes_only else self.keys.of(args) == record.key) and \
                         graph.addresses_match(args) and (record.claim.take() if record.plain else not graph.held()) \
-                        and self.runtime.enter_replay(graph):
+                        and self.runtime.pool_blocker(graph) is None:
                     copies = record.copies
                     out = graph.replay_plain(args) if record.plain and not copies else graph.replay(args, True, copies)
+                    self.runtime.note_replay(graph)
                     state = record.state
                     state.calls += 1
                     counters = self.counters
