@@ -60,12 +60,13 @@ def stats() -> Dict[str, Any]:
     replays, misses, captures, ...; kept by the partition since it was created or released, not reset here).
     The docs' "Understanding the plan" page lists every key; "Graph bank and memory" explains the rows."""
     from .runtime.release import graph_memory, held_bytes, partition_stats
+    partitions = partition_stats()  # first: it counts the steady replays a partition has not counted yet
     with _lock:
         snapshot = copy.deepcopy(_state)
         snapshot.update(_replays())
     snapshot["graphs"] = graph_memory()
     snapshot["graph_bytes"] = held_bytes(snapshot["graphs"])
-    snapshot["partitions"] = partition_stats()
+    snapshot["partitions"] = partitions
     snapshot["reuse"] = reuse(snapshot["partitions"])
     return snapshot
 
@@ -80,6 +81,8 @@ def reuse(partitions: list) -> float:
 def reset_stats() -> None:
     """Zero every counter (does not touch captured graphs)."""
     global _state
+    from .runtime.release import partition_stats
+    partition_stats()  # the steady replays made before now are counted, then zeroed with the rest
     with _lock:
         _state = _zero()
         for counts in _replay_counts:
@@ -94,15 +97,20 @@ def add(name: str, amount: float = 1) -> None:
 
 def add_replay(steady: bool) -> None:
     """Count one graph replay (and whether it is a steady one), in this thread's counts."""
+    add_replays(1, 1 if steady else 0)
+
+
+def add_replays(replays: int, steady: int) -> None:
+    """Count `replays` graph replays, `steady` of them steady ones, in this thread's counts (a partition's steady
+    replays are counted in a batch when its clocks are brought up to date: partition_runner.py)."""
     try:
         counts = _thread.counts
     except AttributeError:
         counts = _thread.counts = _ReplayCounts()
         with _lock:
             _replay_counts.append(counts)
-    counts.replays += 1
-    if steady:
-        counts.steady += 1
+    counts.replays += replays
+    counts.steady += steady
 
 
 def record(name: str, partition: str, reason: str, *, once: bool = False) -> bool:

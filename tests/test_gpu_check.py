@@ -89,10 +89,11 @@ def test_the_report_names_every_stage_and_its_failure(tmp_path):
 
 def test_stage_order_puts_nccl_before_the_benchmarks_and_cgcompile_first_in_each():
     """The MoE benchmark once spent its 120 s on reduce-overhead's cold compile before cgcompile's own row, and
-    NCCL, last, was usually out of budget."""
+    NCCL, last, was usually out of budget; on an H200 its reduce-overhead row still ran out of 120 s: it runs last,
+    with what is left."""
     plan = gpu_check.stages("python")
     names = [s.name for s in plan]
-    assert names[:5] == ["install", "gpu-tests", "gpu-nccl", "bench-moe", "bench-decode"], names
+    assert names[:4] == ["install", "gpu-tests", "gpu-nccl", "bench-decode"] and names[-1] == "bench-moe", names
     for stage in plan:
         if stage.name.startswith("bench-"):
             variants = stage.command()[stage.command().index("--variants") + 1].split(",")

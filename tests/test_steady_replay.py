@@ -78,19 +78,22 @@ def test_a_steady_decode_step_replays_each_partition_through_the_short_path(scop
     calls = partition_calls(lambda: run(step, model, reference, prompt, 4))
     steady = cgcompile.stats()["steady_replays"] - before
     assert steady == len(calls) == 4 * partitions  # every partition call replayed a graph captured earlier
-    # what a replay runs in Python: the call, the memory claim, the pool rule, the replay, the replay count; the
-    # pool rule also finds the graphs after it free once a step (the previous step's layers: held), and the bank
-    # policy sweeps a layer's graphs once per RELEASE_WINDOW of its calls
-    core = ["__call__", "take", "pool_blocker", "replay_plain", "add_replay", "note_replay"]  # (take: _referenced
-    # unless the pool rule found the graph free already)
-    sweep = {"after_call", "_sweep", "_cycle", "_graphs_of", "is_stale", "release_graphs"}
+    # what a replay runs in Python: the call, the memory claim, the pool rule, the replay, the pool rule's note;
+    # the pool rule also finds the graphs after it free once a step (the previous step's layers: held); the
+    # replays are counted on the bank policy's clocks and in stats() in a batch (_settle), at a record's first
+    # replay and when the policy is due: a sweep of a layer's graphs once per RELEASE_WINDOW of its calls
+    core = ["__call__", "take", "pool_blocker", "replay_plain", "note_replay"]  # (take: _referenced unless the
+    # pool rule found the graph free already)
+    settle = {"_settle", "add_replays", "after_call", "_sweep", "_cycle", "_graphs_of", "is_stale", "release_graphs"}
     for names in calls:
         remaining = iter(names)
         assert all(name in remaining for name in core), names  # in this order, others between them
-        assert set(names) - set(core) <= {"held", "_referenced"} | sweep, names
+        assert set(names) - set(core) <= {"held", "_referenced"} | settle, names
         assert names.count("replay_plain") == names.count("take") == 1, names
     held_checks = sum(name == "held" for names in calls for name in names)
     assert held_checks <= 2 * len(calls)  # graph.held and its claim's, at most once per graph and step
+    settles = sum(name == "_settle" for names in calls for name in names)
+    assert settles <= partitions + len(calls) // 8, settles  # each record's first, then once per window at most
     assert sum(name == "after_call" for names in calls for name in names) <= len(calls) // 8
 
 
@@ -154,7 +157,7 @@ def test_outputs_a_caller_keeps_are_handed_out_as_copies_by_the_steady_path():
     assert graph["steady_replays"] == len(kept) - 4  # all but the three warmup calls and the capture call
     (names,) = calls
     assert names == ["__call__", "take", "_referenced", "pool_blocker", "replay", "replayed", "add_replay",
-                     "note_replay"], names
+                     "add_replays", "note_replay"], names
 
 
 def test_a_parameter_moved_between_steady_replays_is_captured_again():
@@ -190,3 +193,75 @@ def test_after_release_the_steady_path_warms_up_and_captures_again():
     assert cgcompile.stats()["graphs"] == []
     run(step, model, reference, prompt, 6)
     assert len(cgcompile.stats()["graphs"]) == len(cgcompile.stats()["partitions"])
+
+
+def test_stats_count_every_steady_replay_whenever_they_are_read():
+    """Steady replays are put on the bank policy's clocks and in stats() in batches (PartitionRunner._settle):
+    stats() and reset_stats() read between two batches see each replay counted once, and nothing left over."""
+    model, reference, step = decode("block")
+    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+    run(step, model, reference, prompt, 8)
+    cgcompile.reset_stats()
+    for steps in range(1, 4):
+        before = cgcompile.stats()
+        run(step, model, reference, prompt, steps)
+        after = cgcompile.stats()
+        (row_before,), (row_after,) = before["partitions"], after["partitions"]
+        assert row_after["calls"] - row_before["calls"] == steps  # one partition call per step
+        assert row_after["replays"] - row_before["replays"] == steps  # each a replay
+        assert after["steady_replays"] - before["steady_replays"] == after["replays"] - before["replays"] == steps
+    cgcompile.reset_stats()
+    assert cgcompile.stats()["replays"] == cgcompile.stats()["steady_replays"] == 0  # none left over to count
+
+
+@pytest.mark.parametrize("end", ["release", "model deleted"])
+def test_steady_replays_not_yet_counted_still_count_when_the_graphs_go(end):
+    """A partition counts its steady replays in batches: when its graphs are released, or the model and its
+    compiled frame are deleted, between two batches, the replays made since the last one are in stats() still."""
+    import gc
+
+    model, reference, step = decode("block")
+    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+    run(step, model, reference, prompt, 8)
+    cgcompile.reset_stats()
+    run(step, model, reference, prompt, 3)  # one partition call per step, each a steady replay
+    if end == "release":
+        cgcompile.release()
+    else:
+        del step, model
+        torch._dynamo.reset()
+        gc.collect()
+    assert cgcompile.stats()["steady_replays"] == cgcompile.stats()["replays"] == 3
+
+
+def _sweeps(read_stats_every_step: bool, monkeypatch) -> list:
+    """Each parameter set's clock at every sweep of its graphs (the bank policy's release pass) over 40 decode
+    steps after warmup and capture."""
+    from cgcompile.runtime import partition_runner
+
+    seen = []
+    real = partition_runner.PartitionRunner._sweep
+
+    def sweep(self, key, state):
+        seen.append(state.calls)
+        return real(self, key, state)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(partition_runner.PartitionRunner, "_sweep", sweep)
+        model, reference, step = decode("block")
+        (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+        run(step, model, reference, prompt, 6)
+        if read_stats_every_step:  # every clock brought up to date after each call: replays counted one by one
+            step = (lambda compiled: lambda *args: (compiled(*args), cgcompile.stats())[0])(step)
+        for _ in range(5):  # 40 steps, each run from the prompt again (the cache holds MAX_SEQ positions)
+            run(step, model, reference, prompt, 8)
+    return seen
+
+
+def test_the_bank_policy_sweeps_on_the_same_calls_whether_steady_replays_are_counted_in_batches_or_not(
+        monkeypatch):
+    """The steady path counts its replays on the policy's clocks in batches and settles at the replay where a sweep
+    is due: the sweeps come on the same calls as when each replay is counted at once."""
+    batched = _sweeps(False, monkeypatch)
+    one_by_one = _sweeps(True, monkeypatch)
+    assert batched == one_by_one and len(batched) >= 2, (batched, one_by_one)

@@ -28,8 +28,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Optional
 
-__all__ = ["JUDGE_AFTER", "RELEASE_WINDOW", "STORM_STREAK", "WASTED_TO_STOP", "BankCounters", "is_judged",
-           "is_stale", "mostly_wasted", "recapture_streak", "storm"]
+__all__ = ["JUDGE_AFTER", "RELEASE_WINDOW", "STORM_STREAK", "WASTED_TO_STOP", "BankCounters", "cycle", "is_judged",
+           "is_stale", "mostly_wasted", "recapture_streak", "stop_message", "storm"]
 
 RELEASE_WINDOW = 16
 JUDGE_AFTER = 4
@@ -104,3 +104,20 @@ def recapture_streak(previous_streak: int, replays: int) -> int:
 def storm(streak: int, storm_streak: int = STORM_STREAK) -> bool:
     """Is this re-capture part of a storm (the graph re-captured on every use)?"""
     return streak >= storm_streak
+
+
+def cycle(graphs: int, sizes: int) -> int:
+    """How many calls of a parameter set a steady loop takes to come round to each of its graphs: its graphs
+    (sizes, grad and no-grad, instances), or the input sizes in rotation when more (each compiled size)."""
+    return max(1, graphs, sizes)
+
+
+def stop_message(reason: str) -> str:
+    """What a partition that stops capturing new sizes says (logged once, in stats()["bank_stops"]), with the fix."""
+    return (f"{reason}: its input sizes do not repeat (e.g. rows selected by nonzero before a graph break); new sizes "
+            f"run eagerly, the graphs it has keep replaying. {_FIX_HINT}")
+
+
+_FIX_HINT = ("Fix: dynamic_padding='buckets' (or 'max') with torch._dynamo.config.capture_dynamic_output_shape_ops="
+             "True when the sizes come from nonzero or a boolean mask, or capture_sizes=[...] when they are a batch "
+             "dimension.")

@@ -208,6 +208,10 @@ class GraphInstance:
         """Is this graph's memory, or the output arena it shares with other sizes (arena.py), in use?"""
         return self.in_backward_pass or self.claim.held() or (self.arena is not None and self.arena.held())
 
+    def free(self) -> bool:
+        """not held(): the steady replay's memory test for a graph that is not plain (partition_runner.py)."""
+        return not self.held()
+
     def held_positions(self) -> Set[int]:
         """Output positions of the last replay still in use: an alias alive, or a view of its storage."""
         storages = self.claim.held_storages()
@@ -285,8 +289,7 @@ class GraphInstance:
             _copy_all(self.copy_buffers, self._copy_sources(args))
         static = self.captured.replay()  # held while an alias lives: use counts tell
         outputs = [static[0].detach()] if len(static) == 1 else [out.detach() for out in static]
-        self.replays += 1
-        add_replay(self.replays > 1)
+        self.replays += 1  # counted in stats() by the caller when it brings its clocks up to date (add_replays)
         return outputs
 
     def replay(self, args: Sequence[Any], alias: bool, copies: Set[int] = frozenset()) -> List[Any]:

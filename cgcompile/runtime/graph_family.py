@@ -239,7 +239,7 @@ class GraphFamily:
             if streak is None:
                 return self.run(args)
         try:
-            graph = self._capture(key, args, frozenset(part.static_storages()))
+            graph = self._capture(key, args, frozenset(part.inputs.static_storages()))
         except Exception as exc:
             part.fail(f"capturing its {self.kind} graph failed: {type(exc).__name__}: {exc}")
             return self.run(args)
@@ -321,10 +321,10 @@ class GraphFamily:
     def _capture(self, key: int, args: list, param_storages: frozenset,
                  forward: Optional[GraphInstance] = None) -> GraphInstance:
         part = self.part
-        name = forward.label.rsplit(" ", 1)[0] if forward is not None else part.graph_name(args, param_storages)
+        name = forward.label.rsplit(" ", 1)[0] if forward is not None else part.inputs.graph_name(args, param_storages)
         arenas = part.arenas.group(self.kind, param_storages) if part.sized else None
         graph = capture_instance(self, part.name, f"{name} {self.kind}", self.kind, self.run, args, param_storages,
-                                 self.mutated, key, part.runtime, part.driver, part.input_names_of(args), arenas,
+                                 self.mutated, key, part.runtime, part.driver, part.inputs.input_names_of(args), arenas,
                                  self.layouts, part.arenas.reserve(self.kind, self.layouts, self.entry.batch),
                                  warmed_up=key in self._warmed, moving=frozenset(self.moving))
         if arenas is not None:

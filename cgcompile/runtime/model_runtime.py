@@ -138,8 +138,8 @@ class ModelRuntime:
     def partition_stats(self) -> List[Dict[str, Any]]:
         """Per partition that ran since it was created or released: its frame and graph-bank accounting
         (bank_policy.BankCounters)."""
-        return [{"partition": r.name, "frame": r.frame, **r.counters.as_dict()} for r in self.runners()
-                if r.counters.calls]
+        counted = [(r, r.bank_counters()) for r in self.runners()]
+        return [{"partition": r.name, "frame": r.frame, **counters.as_dict()} for r, counters in counted if counters.calls]
 
     def live_graphs(self) -> List[GraphInstance]:
         """The captured graphs alive now (forward, backward and inference instances), in capture order.

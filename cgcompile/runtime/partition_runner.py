@@ -4,8 +4,8 @@ Per partition, aot_autograd (run lazily at the first call of each input signatur
 splits the submodule into functional aten forward and backward graphs, each run by a `GraphFamily`
 (graph_family.py: one `BankEntry` per graph-bank key, bank_key.py). This module is the partition's side:
 `PartitionRunner` (the steady inference replay, the graph bank and its policy, every counter and clock of it,
-warmup per parameter set, eager fallback; its output arenas' sizes in arena_sizing.py); compile_partition.py
-builds one.
+warmup per parameter set, eager fallback; its output arenas' sizes in arena_sizing.py, its inputs' names and
+labels in partition_inputs.py); compile_partition.py builds one.
 
 The rules they follow live next to the code that keeps them: the buffer rules (static, borrowed, in-place and
 owned inputs, aliased outputs, held graphs and their instances, backward instances, stolen grads) in graph.py's
@@ -23,6 +23,7 @@ is never captured half-built), its own cap and its own clock for the bank policy
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
@@ -33,23 +34,23 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
-from ..counters import add as count, record
+from ..counters import add as count, add_replays, record
 from . import bank_policy
 from .arena import ArenaGroup
 from .arena_sizing import ArenaSizing
 from .bank_key import BankKey
 from .driver import Driver
-from .graph import GraphInstance, is_param_or_buffer, storage_ptr
+from .graph import GraphInstance
 from .graph_family import BankEntry
-from .memory_claim import MemoryClaim
 from .model_runtime import ModelRuntime
-from .subclasses import inner_tensors
+from .partition_inputs import PartitionInputs
 
 __all__ = ["PartitionRunner"]
 
 # the mode reads of the steady replay's key check, bound once
 _is_grad_enabled, _is_inference_mode_enabled, _any_autocast = (torch.is_grad_enabled, torch.is_inference_mode_enabled,
                                                               _compat.any_autocast)
+_increment_versions = _compat.increment_versions
 
 log = logging.getLogger("cgcompile")
 
@@ -83,12 +84,22 @@ class _SteadyReplay:
     grad: bool  # those modes
     inference: bool
     graph: GraphInstance
-    claim: MemoryClaim  # graph.claim (a graph's claim changes only when it is discarded)
     copies: Set[int]  # its family's output positions handed out as copies (the family's set, updated in place)
     plain: bool  # a plain graph (graph.py) replayed under no_grad: replay_plain serves it while no output is copied
     bumped: Optional[Callable[[Sequence[Any]], tuple]]  # the arguments whose versions a call bumps
     state: _ParamSet
     usage: _Usage
+    # bound once, as the call reads them (each lookup on the way there is host time on every replay)
+    addresses_match: Callable[[Sequence[Any]], bool]  # graph.addresses_match
+    free: Callable[[], bool]  # may the graph's memory be written: claim.take (plain) or graph.free
+    pool_blocker: Callable[[GraphInstance], Optional[GraphInstance]]  # the runtime's
+    note_replay: Callable[[GraphInstance], None]  # the runtime's
+    replay_plain: Callable[[Sequence[Any]], List[Any]]  # graph.replay_plain
+    # Its replays not yet on the policy's clocks and in stats(), and how many may wait before the policy is due
+    # (_settle): counting a steady replay is one increment; the clocks are brought up to date where they are read.
+    pending: int = 0
+    quiet: int = 0
+    counted: int = 0  # of the pending, those already in stats()' replay counts (not plain: replay() counts its own)
 
 
 class PartitionRunner:
@@ -101,7 +112,6 @@ class PartitionRunner:
                  input_names: Sequence[str] = (), sized: bool = False,
                  batch_at: Optional[Tuple[int, int]] = None, static_shapes: bool = False):
         self.submod = submod
-        self.input_names = list(input_names)  # per submod input, how logs name it (see input_description)
         self.name = name
         self.location = location
         self.static_indices = frozenset(static_input_indices)
@@ -116,13 +126,12 @@ class PartitionRunner:
         # into shared output arenas (arena.py), so memory follows the largest size, not the number of sizes.
         self.sized = sized
         self.call_key = 0  # the parameter set of the call in progress (the identity of its first parameter)
-        self._args: Optional[Sequence[Any]] = None  # the call in progress
         self._direct: Optional[Tuple[Any, BankEntry]] = None  # its (bank key, entry) when it calls a graph directly
         self.keys = BankKey(self.static_indices, static_shapes)  # a call's bank key and parameter set
         self._warned: set = set()
-        self._param_set_ids: Dict[frozenset, int] = {}
-        self._serial = 0
-        self.arenas = ArenaSizing(name, self.config.capture_sizes, batch_at, self.param_set_number)
+        self.inputs = PartitionInputs(submod, name, self.frame, location, self.static_indices, input_names)
+        self.describe = self.inputs.describe  # how logs name the partition
+        self.arenas = ArenaSizing(name, self.config.capture_sizes, batch_at, self.inputs.param_set_number)
         self._start_policy()
         runtime.add_runner(self)
 
@@ -138,41 +147,38 @@ class PartitionRunner:
     # calls -----------------------------------------------------------------------------------------------
 
     def __call__(self, *args: Any) -> Any:
-        """A call of the partition. The steady inference replay is flattened here, since its host work is what
-        the product costs per replay: the graph a parameter set replayed at its last direct call (`_SteadyReplay`,
-        recorded by note_replay), when it may replay again for the same bank key, with the same decisions as the
-        full path (graph_family.py) for that one case and the same accounting. Every other case takes _call.
-        (A partition that failed has no steady replay: fail() forgets them.)"""
+        """A call of the partition. The steady inference replay is flattened here, as its host work is what the
+        product costs per replay: the graph a parameter set replayed at its last direct call (`_SteadyReplay`, made
+        by note_replay), replayed again for the same bank key with the full path's decisions for that one case
+        (graph_family.py), counted by _settle. Every other case, and a failed partition, takes _call."""
         steady = self._steady
         if steady:
             index = self.keys.set_index
             record = steady.get(0 if index is None else id(args[index]))
-            if record is not None:
+            if record is not None and (
+                    _is_grad_enabled() is record.grad and _is_inference_mode_enabled() is record.inference
+                    and not _any_autocast() if record.modes_only else self.keys.of(args) == record.key) \
+                    and record.addresses_match(args) and not self.runtime.dead:
                 graph = record.graph
-                if not self.runtime.dead and graph.captured is not None and (
-                        _is_grad_enabled() is record.grad and _is_inference_mode_enabled() is record.inference
-                        and not _any_autocast() if record.modes_only else self.keys.of(args) == record.key) and \
-                        graph.addresses_match(args) and (record.claim.take() if record.plain else not graph.held()) \
-                        and self.runtime.pool_blocker(graph) is None:
+                if graph.captured is not None and record.free() and record.pool_blocker(graph) is None:
                     copies = record.copies
-                    out = graph.replay_plain(args) if record.plain and not copies else graph.replay(args, True, copies)
-                    self.runtime.note_replay(graph)
-                    state = record.state
-                    state.calls += 1
-                    counters = self.counters
-                    counters.calls += 1
-                    counters.replays += 1
-                    record.usage.last_use = state.calls
-                    if self._unjudged_sizes and record.key in self._unjudged_sizes:
-                        self._unjudged_sizes[record.key][1] += 1
-                    if state.unjudged or state.calls >= state.next_sweep:
-                        self.after_call(graph.key)
+                    if record.plain and not copies:
+                        out = record.replay_plain(args)
+                    else:
+                        out = graph.replay(args, True, copies)
+                        record.counted += 1  # in stats() by replay() itself
+                    record.note_replay(graph)
+                    record.pending += 1  # counted on the policy's clocks by _settle, before anything reads them
+                    if record.pending >= record.quiet:
+                        self._settle(record)
                     if record.bumped is not None:
-                        _compat.increment_versions(record.bumped(args))
+                        _increment_versions(record.bumped(args))
                     return out[0] if self.container is None else self.container(out)
         return self._call(args)
 
     def _call(self, args: tuple) -> Any:
+        if self._steady:
+            self.settle_all()
         if self.broken is not None:
             return self.submod(*args)
         if self.runtime.dead:
@@ -187,7 +193,7 @@ class PartitionRunner:
                 return self.submod(*args)
         elif self._unjudged_sizes and key in self._unjudged_sizes:
             self._unjudged_sizes[key][1] += 1
-        self._args = args
+        self.inputs.begin(args)
         self.call_key = self.keys.param_set(args)
         direct = entry.bumps is not None
         if direct:  # a replay in it becomes its parameter set's steady replay (note_replay)
@@ -195,7 +201,8 @@ class PartitionRunner:
         try:
             out = entry.run_direct(args) if direct else entry.fn(*args)
         finally:
-            self._args = self._direct = None
+            self.inputs.end()
+            self._direct = None
         if self.container is None:
             return out[0]
         return self.container(out)
@@ -218,53 +225,17 @@ class PartitionRunner:
         self._unjudged_sizes[key] = [self.counters.calls, 1]
         return entry
 
-    def static_storages(self) -> set:
-        """Storages of this call's parameters and buffers: the indices given, Parameters, Dynamo-marked
-        static tensors, and the submodule's own parameters/buffers (aot passes those first); of a wrapper
-        parameter (DTensor), its inner tensors' storages, which are what aot hands the graphs."""
-        found = set()
-        args = self._args or ()
-        for index, arg in enumerate(args):
-            if is_param_or_buffer(arg) or (isinstance(arg, torch.Tensor) and index in self.static_indices):
-                found.update(storage_ptr(inner) for inner in inner_tensors(arg))
-        for tensor in list(self.submod.parameters()) + list(self.submod.buffers()):
-            found.update(storage_ptr(inner) for inner in inner_tensors(tensor))
-        found.discard(0)
-        return found
-
-    def input_names_of(self, args: Sequence[Any]) -> List[Optional[str]]:
-        """Per argument of an aot graph, the name of the partition input it is (aot passes this call's
-        tensors through as they are), or None (a saved tensor, a tangent, a lifted parameter)."""
-        own = {id(arg): i for i, arg in enumerate(self._args or ())}
-        names = self.input_names
-        return [names[own[id(arg)]] if id(arg) in own and own[id(arg)] < len(names) else None for arg in args]
-
     def bank_size(self) -> int:
         """How many input signatures (graph-bank keys) have a compiled entry now."""
         return len(self.bank)
 
-    def describe(self) -> str:
-        return f"partition {self.name}" + (f" ({self.location})" if self.location else "")
-
-    def param_set_number(self, param_storages: frozenset) -> int:
-        """The parameter set's number in graph and arena labels (in order of first capture)."""
-        return self._param_set_ids.setdefault(param_storages, len(self._param_set_ids))
-
-    def graph_name(self, args: Sequence[Any], param_storages: frozenset) -> str:
-        """A unique, readable name for a new forward/inference graph (its backward's label starts with it):
-        partition, frame, the shapes of its non-parameter inputs, which parameter set, a serial number."""
-        params = self.param_set_number(param_storages)
-        self._serial += 1
-        shapes: List[str] = []
-        for index, arg in enumerate(args):
-            if isinstance(arg, torch.Tensor) and index not in self.static_indices and not is_param_or_buffer(arg):
-                shape = "x".join(map(str, arg.shape)) or "()"
-                if shape not in shapes:
-                    shapes.append(shape)
-        sizes = ",".join(shapes[:3]) + (",..." if len(shapes) > 3 else "")
-        return f"{self.name} in {self.frame} [{sizes}] params {params} #{self._serial}"
-
     # the bank policy (bank_policy.py): what graph_family.py reports, and the decisions -------------------------
+
+    def bank_counters(self) -> bank_policy.BankCounters:
+        """The graph-bank accounting, up to date (stats()): steady replays still pending are counted first (this
+        runs no policy: a record settles at the replay where the policy becomes due)."""
+        self.settle_all()
+        return self.counters
 
     @property
     def stopped(self) -> Optional[str]:
@@ -276,6 +247,45 @@ class PartitionRunner:
         if state is None:
             state = self._param_sets[key] = _ParamSet()
         return state
+
+    def _settle(self, record: _SteadyReplay) -> None:
+        """Put a steady record's pending replays on the clocks and counters, as each would have been counted; run
+        the policy if it is due; set how many replays may wait before it is due again (a graph awaiting judgement:
+        none; else until the next sweep; sizes are judged only on the full path, which settles first)."""
+        calls, record.pending = record.pending, 0
+        state = record.state
+        if calls:
+            plain, record.counted = calls - record.counted, 0
+            add_replays(plain, plain)  # each a steady one: the record was made at a replay after the capture
+            state.calls += calls
+            counters = self.counters
+            counters.calls += calls
+            counters.replays += calls
+            record.usage.last_use = state.calls
+            sizes = self._unjudged_sizes.get(record.key)
+            if sizes is not None:
+                sizes[1] += calls
+            if state.unjudged or state.calls >= state.next_sweep:
+                self.after_call(record.graph.key)
+        record.quiet = 1 if state.unjudged else state.next_sweep - state.calls
+
+    def _count_unsettled(self) -> None:
+        """The steady replays not yet in stats(), counted there (before the records are forgotten)."""
+        for record in self._steady.values():
+            plain, record.pending, record.counted = record.pending - record.counted, 0, 0
+            add_replays(plain, plain)
+
+    def __del__(self) -> None:  # the model went: its last steady replays still count in stats()
+        with contextlib.suppress(Exception):  # at interpreter exit the modules may be gone already
+            self._count_unsettled()
+
+    def settle_all(self) -> None:
+        """Bring the clocks and counters up to date (before the full path or a reader uses them); each record then
+        settles again at its next replay, as whatever the caller does next may change when the policy is due."""
+        for record in list(self._steady.values()):
+            if record.pending:
+                self._settle(record)
+            record.quiet = 0
 
     def warming_up(self, family: Any, key: int) -> bool:
         """A forward/inference call of `family` with parameter set `key` begins: count it on the clocks; True
@@ -304,8 +314,11 @@ class PartitionRunner:
                 bank_key, entry = self._direct
                 modes_only = not self.keys.dynamic and not any(bank_key[2:4])
                 plain = graph.plain and graph.arena is None and modes_only and not bank_key[0]
-                self._steady[key] = _SteadyReplay(bank_key, modes_only, bank_key[0], bank_key[1], graph, graph.claim,
-                                                  entry.inference.copy_out, plain, entry.bumped, state, usage)
+                runtime = self.runtime
+                self._steady[key] = _SteadyReplay(
+                    bank_key, modes_only, bank_key[0], bank_key[1], graph, entry.inference.copy_out, plain,
+                    entry.bumped, state, usage, graph.addresses_match, graph.claim.take if plain else graph.free,
+                    runtime.pool_blocker, runtime.note_replay, graph.replay_plain)
         self.runtime.note_replay(graph)
 
     def note_capture(self, key: int, graph: GraphInstance, streak: int = 0) -> None:
@@ -370,7 +383,7 @@ class PartitionRunner:
         """A graph not run again within JUDGE_AFTER calls of its parameter set per graph of it is wasted: released;
         stop capturing new sizes when most judged graphs were (bank_policy.mostly_wasted)."""
         wasted = []
-        cycle = self._cycle(state)
+        cycle = bank_policy.cycle(state.graphs, len(self.bank))
         while state.unjudged and bank_policy.is_judged(state.unjudged[0][0], state.calls, cycle):
             graph = state.unjudged.popleft()[1]()
             if graph is None or not graph.alive:
@@ -405,15 +418,10 @@ class PartitionRunner:
         """Release this parameter set's graphs not run within the window (bank_policy.is_stale)."""
         window = bank_policy.RELEASE_WINDOW
         state.next_sweep = state.calls + window  # a sweep is a pass over the set's graphs: not on every call
-        cycle = self._cycle(state)
+        cycle = bank_policy.cycle(state.graphs, len(self.bank))
         stale = [graph for graph in self._graphs_of(key)
                  if bank_policy.is_stale(self._usage[graph].last_use, state.calls, cycle)]
         self.release_graphs(stale, f"not run in its layer's last {window} calls per graph of it")
-
-    def _cycle(self, state: _ParamSet) -> int:
-        """How many calls of a parameter set a steady loop takes to come round to each of its graphs: its graphs
-        (sizes, grad and no-grad, instances), or the input sizes in rotation when more (each compiled size)."""
-        return max(1, state.graphs, len(self.bank))
 
     def _graphs_of(self, key: int) -> List[GraphInstance]:
         return [graph for entry in self.bank.values() for family in (entry.forward, entry.inference)
@@ -457,9 +465,7 @@ class PartitionRunner:
     def stop(self, reason: str) -> None:
         """Stop capturing new sizes for good: log once with the fix, count, release the graphs never replayed.
         The graphs it keeps still replay; other sizes run eagerly."""
-        self.counters.stopped = (f"{reason}: its input sizes do not repeat (e.g. rows selected by nonzero before a "
-                                 f"graph break); new sizes run eagerly, the graphs it has keep replaying. "
-                                 f"{_FIX_HINT}")
+        self.counters.stopped = bank_policy.stop_message(reason)
         log.warning("cgcompile: %s stops capturing new sizes: %s", self.describe(), self.counters.stopped)
         record("bank_stops", self.name, self.counters.stopped, once=True)
         self.release_graphs([graph for entry in self.bank.values() for family in (entry.forward, entry.inference)
@@ -472,6 +478,7 @@ class PartitionRunner:
         if self.broken is not None:
             return
         self.broken = reason
+        self.settle_all()
         self._usage = {}
         self._steady = {}
         if storm:
@@ -485,13 +492,10 @@ class PartitionRunner:
     def release(self) -> None:
         """Forget every graph (cgcompile.release()): the next call compiles, warms up and captures anew, and the
         bank policy starts over with its accounting."""
+        self._count_unsettled()
         for entry in self.bank.values():
             entry.discard()
         self.bank = {}
         self.arenas.forget_groups()
         self._start_policy()
 
-
-_FIX_HINT = ("Fix: dynamic_padding='buckets' (or 'max') with torch._dynamo.config.capture_dynamic_output_shape_ops="
-             "True when the sizes come from nonzero or a boolean mask, or capture_sizes=[...] when they are a batch "
-             "dimension.")
