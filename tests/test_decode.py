@@ -8,6 +8,7 @@ import torch
 
 import cgcompile
 from cgcompile.backend import record_plans
+from tests.inductor_cpp import needs_inductor_cpp
 from tests.models import kv_gpt
 
 OPTIONS = {"cuda_graph_impl": "local", "cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": "block"}
@@ -46,7 +47,10 @@ def test_decode_step_plans_as_one_captured_graph():
     assert graph.partitions[0].tags == ("attn", "mlp")
 
 
-@pytest.mark.parametrize("inner", ["eager", "inductor"])
+INNER_COMPILERS = ["eager", pytest.param("inductor", marks=needs_inductor_cpp)]
+
+
+@pytest.mark.parametrize("inner", INNER_COMPILERS)
 def test_decode_matches_eager_over_16_steps(inner):
     graphs, st = assert_decode_matches_eager(dict(OPTIONS, driver="emulate", inner_compiler=inner),
                                              exact=inner == "eager")
@@ -62,7 +66,8 @@ def test_full_iteration_decodes_like_eager():
     assert st["graphs_captured"] == 1 and st["eager_fallbacks"] == []
 
 
-def test_steady_decode_step_runs_nothing_outside_the_graph_but_input_copies(monkeypatch):
+@pytest.mark.parametrize("inner", INNER_COMPILERS)
+def test_steady_decode_step_runs_nothing_outside_the_graph_but_input_copies(monkeypatch, inner):
     """Per call, outside the replayed graph: one copy of the non-static inputs (token, input_pos), one detach for
     the output handed out and its clone leaving the frame. The cache writes happen inside the graph (aot's
     inference epilogue would copy every written cache buffer eagerly after it), for both inner compilers."""
@@ -104,18 +109,17 @@ def test_steady_decode_step_runs_nothing_outside_the_graph_but_input_copies(monk
                 return frame(*args)
         return run
 
-    for inner in ("eager", "inductor"):
-        torch._dynamo.reset()
-        model, _ = decode_twins()
-        (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
-        options = dict(OPTIONS, driver="emulate", inner_compiler=inner)
-        step = torch.compile(kv_gpt.DecodeStep(model), backend=lambda gm, ex: counting_backend(gm, ex, options))
-        pos = kv_gpt.positions(model.max_seq)
-        with torch.no_grad():
-            token = kv_gpt.prefill(model, prompt)
-            for i in range(5):  # warmup, capture, replays
-                token = step(token, pos[8 + i])
-            counters.append(OutsideReplay())
-            step(token, pos[13])
-        assert counters.pop().ops == {"aten._foreach_copy_.default": 1, "aten.detach.default": 1,
-                                      "aten.clone.default": 1}, inner
+    torch._dynamo.reset()
+    model, _ = decode_twins()
+    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+    options = dict(OPTIONS, driver="emulate", inner_compiler=inner)
+    step = torch.compile(kv_gpt.DecodeStep(model), backend=lambda gm, ex: counting_backend(gm, ex, options))
+    pos = kv_gpt.positions(model.max_seq)
+    with torch.no_grad():
+        token = kv_gpt.prefill(model, prompt)
+        for i in range(5):  # warmup, capture, replays
+            token = step(token, pos[8 + i])
+        counters.append(OutsideReplay())
+        step(token, pos[13])
+    assert counters.pop().ops == {"aten._foreach_copy_.default": 1, "aten.detach.default": 1,
+                                  "aten.clone.default": 1}, inner

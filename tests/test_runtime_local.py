@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch.nn as nn
 from cgcompile import reset_stats, stats
 from cgcompile.config import CudaGraphConfig
 from cgcompile.runtime import ModelRuntime, compile_partition
+from tests.inductor_cpp import needs_inductor_cpp
 
 
 def runtime(**options) -> ModelRuntime:
@@ -428,7 +428,7 @@ class Normed(nn.Module):
         return torch.tanh(self.bn(self.lin(x))) + acc
 
 
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="needs a C++ compiler")
+@needs_inductor_cpp
 def test_inductor_inner_compiler_with_in_graph_mutations():
     ref, model = twins(Normed)
     rt = runtime(inner_compiler="inductor")
