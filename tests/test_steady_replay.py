@@ -84,7 +84,8 @@ def test_a_steady_decode_step_replays_each_partition_through_the_short_path(scop
     # replay and when the policy is due: a sweep of a layer's graphs once per RELEASE_WINDOW of its calls
     core = ["__call__", "take", "pool_blocker", "replay_plain", "note_replay"]  # (take: _referenced unless the
     # pool rule found the graph free already)
-    settle = {"_settle", "add_replays", "after_call", "_sweep", "_cycle", "_graphs_of", "is_stale", "release_graphs"}
+    settle = {"_settle", "_fold", "add_replays", "after_call", "_sweep", "cycle", "_graphs_of", "is_stale",
+              "release_graphs"}
     for names in calls:
         remaining = iter(names)
         assert all(name in remaining for name in core), names  # in this order, others between them
@@ -265,3 +266,30 @@ def test_the_bank_policy_sweeps_on_the_same_calls_whether_steady_replays_are_cou
     batched = _sweeps(False, monkeypatch)
     one_by_one = _sweeps(True, monkeypatch)
     assert batched == one_by_one and len(batched) >= 2, (batched, one_by_one)
+
+
+def cgcompile_runtimes() -> list:
+    from cgcompile.runtime import release
+
+    return [holder for holder in release.holders() if hasattr(holder, "runners")]
+
+
+def test_reading_stats_counts_pending_replays_without_running_the_bank_policy(monkeypatch):
+    """stats() may be read from another thread than the one replaying: what it brings up to date is counts, and the
+    bank policy (sweeps, judgements, releases) runs only at replays."""
+    from cgcompile.runtime import partition_runner
+
+    model, reference, step = decode("block")
+    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+    run(step, model, reference, prompt, 8)
+    (runner,) = [r for rt in cgcompile_runtimes() for r in rt.runners() if r._steady]
+    for record in runner._steady.values():
+        record.quiet = 10 ** 9  # as if a reader came at the replay where a sweep is due, before it settled
+    for _ in range(4):
+        run(step, model, reference, prompt, 8)  # 32 replays pending: past the next sweep (RELEASE_WINDOW = 16)
+    policy_runs = []
+    monkeypatch.setattr(partition_runner.PartitionRunner, "after_call",
+                        lambda self, key: policy_runs.append(key))
+    before = cgcompile.stats()["steady_replays"]
+    cgcompile.reset_stats()
+    assert before >= 32 and policy_runs == []

@@ -249,14 +249,22 @@ class PartitionRunner:
         return state
 
     def _settle(self, record: _SteadyReplay) -> None:
-        """Put a steady record's pending replays on the clocks and counters, as each would have been counted; run
-        the policy if it is due; set how many replays may wait before it is due again (a graph awaiting judgement:
-        none; else until the next sweep; sizes are judged only on the full path, which settles first)."""
-        calls, record.pending = record.pending, 0
+        """At a steady replay: count the pending ones (_fold), run the policy if it is due, set how many replays may
+        wait before it is due again (a graph awaiting judgement: none; else until the next sweep; sizes are judged
+        only on the full path, which folds first)."""
         state = record.state
+        if self._fold(record) and (state.unjudged or state.calls >= state.next_sweep):
+            self.after_call(record.graph.key)
+        record.quiet = 1 if state.unjudged else state.next_sweep - state.calls
+
+    def _fold(self, record: _SteadyReplay) -> int:
+        """Put a record's pending replays on the clocks and counters and in stats(), as each would have been
+        counted; how many. It runs no policy: a fold between replays finds none due (pending < quiet)."""
+        calls, record.pending = record.pending, 0
         if calls:
             plain, record.counted = calls - record.counted, 0
             add_replays(plain, plain)  # each a steady one: the record was made at a replay after the capture
+            state = record.state
             state.calls += calls
             counters = self.counters
             counters.calls += calls
@@ -265,27 +273,19 @@ class PartitionRunner:
             sizes = self._unjudged_sizes.get(record.key)
             if sizes is not None:
                 sizes[1] += calls
-            if state.unjudged or state.calls >= state.next_sweep:
-                self.after_call(record.graph.key)
-        record.quiet = 1 if state.unjudged else state.next_sweep - state.calls
+        return calls
 
-    def _count_unsettled(self) -> None:
-        """The steady replays not yet in stats(), counted there (before the records are forgotten)."""
-        for record in self._steady.values():
-            plain, record.pending, record.counted = record.pending - record.counted, 0, 0
-            add_replays(plain, plain)
+    def settle_all(self) -> None:
+        """Bring the clocks and counters up to date before the full path or a reader (stats(), release, a failure,
+        the model's end) uses them; each record settles again at its next replay, as what the caller does next may
+        change when the policy is due. Only counts: the policy runs at replays, in the thread that replays."""
+        for record in list(self._steady.values()):
+            self._fold(record)
+            record.quiet = 0
 
     def __del__(self) -> None:  # the model went: its last steady replays still count in stats()
         with contextlib.suppress(Exception):  # at interpreter exit the modules may be gone already
-            self._count_unsettled()
-
-    def settle_all(self) -> None:
-        """Bring the clocks and counters up to date (before the full path or a reader uses them); each record then
-        settles again at its next replay, as whatever the caller does next may change when the policy is due."""
-        for record in list(self._steady.values()):
-            if record.pending:
-                self._settle(record)
-            record.quiet = 0
+            self.settle_all()
 
     def warming_up(self, family: Any, key: int) -> bool:
         """A forward/inference call of `family` with parameter set `key` begins: count it on the clocks; True
@@ -492,7 +492,7 @@ class PartitionRunner:
     def release(self) -> None:
         """Forget every graph (cgcompile.release()): the next call compiles, warms up and captures anew, and the
         bank policy starts over with its accounting."""
-        self._count_unsettled()
+        self.settle_all()
         for entry in self.bank.values():
             entry.discard()
         self.bank = {}
