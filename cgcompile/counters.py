@@ -95,14 +95,10 @@ def add(name: str, amount: float = 1) -> None:
         _state[name] += amount
 
 
-def add_replay(steady: bool) -> None:
-    """Count one graph replay (and whether it is a steady one), in this thread's counts."""
-    add_replays(1, 1 if steady else 0)
-
-
 def add_replays(replays: int, steady: int) -> None:
-    """Count `replays` graph replays, `steady` of them steady ones, in this thread's counts (a partition's steady
-    replays are counted in a batch when its clocks are brought up to date: partition_runner.py)."""
+    """Count `replays` graph replays, `steady` of them steady ones (a bool counts 0 or 1), in this thread's counts:
+    one replay at a time, or a partition's steady replays in a batch when its clocks are brought up to date
+    (partition_runner.py)."""
     try:
         counts = _thread.counts
     except AttributeError:

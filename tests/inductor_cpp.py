@@ -23,5 +23,7 @@ def why_no_inductor_cpp() -> Optional[str]:
     return None
 
 
+_WHY = why_no_inductor_cpp()
+
 # a mark for a test (or a parameter) that compiles Inductor C++ kernels on the CPU
-needs_inductor_cpp = pytest.mark.skipif(why_no_inductor_cpp() is not None, reason=why_no_inductor_cpp() or "")
+needs_inductor_cpp = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")

@@ -50,7 +50,7 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
-from ..counters import add_replay
+from ..counters import add_replays
 from ..passes.common import written_args
 from .arena import ArenaGroup, OutputArena, OutputLayout, output_layouts, span_bytes, writing_into
 from .driver import CaptureError, CapturedGraph, Driver
@@ -336,7 +336,7 @@ class GraphInstance:
                 _compat.set_grad_enabled(True)
         self.replays += 1
         self.pending_backward = self.kind == "forward"
-        add_replay(self.replays > 1)
+        add_replays(1, self.replays > 1)
         return outputs
 
 

@@ -135,7 +135,7 @@ class CapturedStep:
                 if isinstance(static, torch.Tensor) and static is not new:
                     static.copy_(new)
         outputs = variant.graph.replay()
-        counters.add_replay(variant.replays > 1)
+        counters.add_replays(1, variant.replays > 1)
         copies = [o.clone() if isinstance(o, torch.Tensor) else o for o in outputs]
         return _compat.tree_unflatten(copies, variant.out_spec)
 
