@@ -1,4 +1,4 @@
-"""FSDP2 memory and copies per training step: eager FSDP2 vs the compiled model (cgcompile/runtime/fsdp.py), on two
+"""FSDP2 memory and copies per training step: eager FSDP2 vs the compiled model (cgcompile/runtime/frame/fsdp.py), on two
 CPU ranks (gloo, emulate driver), the tests' 2-layer dense GPT with `fully_shard` on each layer and the root.
 
 Per setting (reshard_after_forward False / True / True with option fsdp_keep_unsharded) and per rank, over the

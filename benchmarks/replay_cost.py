@@ -28,8 +28,8 @@ import torch
 import torch.nn as nn
 
 import cgcompile
-from cgcompile.runtime import partition_runner
-from cgcompile.runtime.emulate_driver import EmulatedGraph
+from cgcompile.runtime.local import runner as partition_runner
+from cgcompile.runtime.drivers.emulate import EmulatedGraph
 from tests.models import kv_gpt
 
 __all__ = ["address_check_times", "decode_host_times", "depth_host_times", "reuse_rows"]
@@ -115,7 +115,7 @@ def decode_host_times(scope: str, layers: int = 8, calls: int = 2000, repeats: i
     """(ours, minimal): median host seconds per partition call of a steady decode step, averaged over its
     partitions, interleaved repeats. On CUDA both replay real graphs (host time: the calls are not synchronized;
     the device catches up after each timed loop); on the CPU emulated replays are made no-ops."""
-    from cgcompile.runtime.drivers import get_driver
+    from cgcompile.runtime.drivers.select import get_driver
 
     cuda = device != "cpu"
     torch._dynamo.reset()

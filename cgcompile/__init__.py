@@ -10,10 +10,10 @@ from .errors import ConfigError
 from .explain import Plan, explain
 from .hf import HF_FAMILIES, tag_hf
 from .runtime.release import release
-from .runtime.whole_step import capture_step
+from .runtime.frame.whole_step import capture_step
 from .scope import transition_cudagraph_scope
 from .tagging import eager_region, tag, tag_modules, tag_of, untag
-from .counters import reset_stats, stats
+from .stats import reset_stats, stats
 
 __all__ = [
     "ConfigError", "CudaGraphConfig", "HF_FAMILIES", "Plan", "explain", "CudaGraphImpl", "CudaGraphModule", "CudaGraphScope",

@@ -14,9 +14,10 @@ import torch
 
 __all__ = ["ADDRESS_CHECK_IMPL", "ADDRESS_CHECK_IMPLS", "AddressCheck", "any_autocast", "aot_compile",
            "at_backward_end", "boxed", "by_position_check", "copy_all", "cuda_end_allocate_to_pool",
-           "cuda_release_pool", "direct_inference", "dynamo_frame", "fsdp2_keep_unsharded", "fsdp2_params",
-           "fsdp2_restore_free", "FsdpParam", "functorch_level", "generator_capture_state_outlives_failure",
-           "increment_versions", "is_unregistered_generator_error", "is_wrapper_subclass", "pop_functorch_level",
+           "cuda_release_pool", "direct_inference", "donated_inputs", "dynamo_frame", "fsdp2_keep_unsharded",
+           "fsdp2_params", "fsdp2_restore_free", "FsdpParam", "functorch_level",
+           "generator_capture_state_outlives_failure", "increment_versions", "is_unregistered_generator_error",
+           "is_wrapper_subclass", "pop_functorch_level",
            "resolve_overload", "set_grad_enabled", "set_versions", "storage_key", "storage_use_count",
            "storage_weak_ref", "TorchDispatchMode", "tree_flatten", "tree_unflatten"]
 
@@ -104,6 +105,16 @@ def direct_inference(gm: torch.fx.GraphModule, num_args: int) -> Optional[tuple]
         return tuple(meta.mutated_graph_handled_indices_seen_by_autograd)
     except AttributeError:
         return None
+
+
+def donated_inputs() -> frozenset:
+    """For the backward graph being compiled now (call it from the compiler aot calls): the positions of its inputs
+    that aot_autograd donated, saved tensors nothing else reads (torch._functorch.config.donated_buffer, on by
+    default). Inductor may reuse their memory for its own buffers (`buf0 = addmm_1; del addmm_1  # reuse`): its
+    kernels then write these inputs where no op shows it. Reads fw_metadata.bw_donated_idxs on the tracing context,
+    as torch._inductor.utils.get_donated_idxs does (checked 2.13); missing means none."""
+    context = torch._guards.TracingContext.try_get()
+    return frozenset(getattr(getattr(context, "fw_metadata", None), "bw_donated_idxs", None) or ())
 
 
 def boxed(fn: Callable[[list], Any]) -> Callable[[list], Any]:

@@ -15,28 +15,30 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from .checkpoint_inline import inline_checkpoints_around_islands
+from .rewrites.checkpoint_inline import inline_checkpoints_around_islands
 from .config import CudaGraphConfig, CudaGraphImpl, InferenceCudaGraphScope
 from .diagnostics import full_iteration_error, log_graph_plan
 from .errors import ConfigError
 from .frame_root import anchor_module_stacks, frame_module, frame_root
 from .logs import register_with_torch_logs
-from .padding import pad_dynamic_rows
+from .rewrites.padding import pad_dynamic_rows
 from .passes import input_description, is_static_placeholder, node_location
 from .passes.common import frame_name
 from .passes.batch_rows import batch_boundary, batch_padding_blocker, batch_symbol
-from .runtime.capture_sizes import BatchPadding
-from .runtime.drivers import device_of
-from .runtime.fsdp import keeper_for, resharded_inputs
-from .runtime.model_runtime import ModelRuntime
-from .runtime.compile_partition import compile_partition
+from .runtime.frame.capture_sizes import BatchPadding
+from .runtime.drivers.select import device_of
+from .passes.fsdp import resharded_inputs
+from .runtime.frame.fsdp import keeper_for
+from .runtime.local.model_runtime import ModelRuntime
+from .runtime.local.compile import compile_partition
 from .runtime.release import release
-from .runtime.te import TEFrame, resolve_graphing_fn
-from .runtime.verify import VerifiedPartition
+from .runtime.frame.te import TEFrame, resolve_graphing_fn
+from .runtime.frame.verify import VerifiedPartition
 from .plan import BLOCK_SCOPE, LAYER_SCOPE, OFF_SCOPE, GraphPlan
 from .planner import plan_graph
 from .scope import LayerScope, ScopedFrame, scope_config
-from .split import copy_graph_module, hoist_scalar_input_reads, replace_submodule, split
+from .rewrites.scalar_reads import hoist_scalar_input_reads
+from .split import copy_graph_module, replace_submodule, split
 
 register_with_torch_logs()
 
@@ -195,7 +197,7 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
         if wrapped is not submod:
             replace_submodule(split_gm, name, wrapped)
     forward = split_gm.forward
-    # FSDP2 parameters that captured partitions read keep their address (runtime/fsdp.py); None otherwise
+    # FSDP2 parameters that captured partitions read keep their address (runtime/frame/fsdp.py); None otherwise
     keeper = keeper_for(gm, example_inputs, frozenset(n for p in captured for n in p.nodes),
                         f"graph {graph_plan.index}")
 

@@ -1,7 +1,7 @@
 """Process-wide runtime counters: proof that capture happened, and why it did not.
 
-`stats()` returns a snapshot (a plain dict, safe to keep); `reset_stats()` zeroes everything. Tests and
-benchmarks assert on these. Updates take a lock, so counters stay exact if partitions run on several threads; the
+`snapshot()` returns a copy (a plain dict, safe to keep); `reset()` zeroes everything; stats.py adds what the live
+runtimes report for `cgcompile.stats()`. Updates take a lock, so counters stay exact if partitions run on several threads; the
 replay counts, bumped on every replay, are kept per thread instead (each thread writes only its own, no lock on
 the replay path) and summed by stats().
 """
@@ -52,23 +52,12 @@ def _replays() -> Dict[str, int]:
     return {"replays": sum(c.replays for c in _replay_counts), "steady_replays": sum(c.steady for c in _replay_counts)}
 
 
-def stats() -> Dict[str, Any]:
-    """A snapshot of the counters since the last reset_stats(), plus `graphs`: one entry per captured graph
-    alive now (partition, label, kind, replays, pool_bytes, static_input_bytes, static_output_bytes, and for a
-    partition whose sizes vary its output `arena`, `arena_bytes`, `arena_output_bytes`), `graph_bytes`: what they
-    hold together (each arena once), and `partitions`: per captured partition its graph-bank accounting (calls,
-    replays, misses, captures, ...; kept by the partition since it was created or released, not reset here).
-    The docs' "Understanding the plan" page lists every key; "Graph bank and memory" explains the rows."""
-    from .runtime.release import graph_memory, held_bytes, partition_stats
-    partitions = partition_stats()  # first: it counts the steady replays a partition has not counted yet
+def snapshot() -> Dict[str, Any]:
+    """A copy of every counter since the last reset(), the replay counts of every thread summed in."""
     with _lock:
-        snapshot = copy.deepcopy(_state)
-        snapshot.update(_replays())
-    snapshot["graphs"] = graph_memory()
-    snapshot["graph_bytes"] = held_bytes(snapshot["graphs"])
-    snapshot["partitions"] = partitions
-    snapshot["reuse"] = reuse(snapshot["partitions"])
-    return snapshot
+        copied = copy.deepcopy(_state)
+    copied.update(_replays())
+    return copied
 
 
 def reuse(partitions: list) -> float:
@@ -78,11 +67,9 @@ def reuse(partitions: list) -> float:
     return round(sum(p["replays"] for p in partitions) / after, 3) if after > 0 else 0.0
 
 
-def reset_stats() -> None:
-    """Zero every counter (does not touch captured graphs)."""
+def reset() -> None:
+    """Zero every counter."""
     global _state
-    from .runtime.release import partition_stats
-    partition_stats()  # the steady replays made before now are counted, then zeroed with the rest
     with _lock:
         _state = _zero()
         for counts in _replay_counts:
@@ -98,7 +85,7 @@ def add(name: str, amount: float = 1) -> None:
 def add_replays(replays: int, steady: int) -> None:
     """Count `replays` graph replays, `steady` of them steady ones (a bool counts 0 or 1), in this thread's counts:
     one replay at a time, or a partition's steady replays in a batch when its clocks are brought up to date
-    (partition_runner.py)."""
+    (runtime/local/runner.py)."""
     try:
         counts = _thread.counts
     except AttributeError:

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
-from .runtime.thread_state import RngState
+from .runtime.drivers.thread_state import RngState
 
 __all__ = ["ModelState", "preserved_model_state"]
 

@@ -14,7 +14,7 @@ from typing import Tuple
 
 import torch
 
-from .runtime.emulate_driver import REPLAY_RANGE
+from .runtime.drivers.emulate import REPLAY_RANGE
 
 __all__ = ["HostOpCounter", "SYNC_OPS", "count_events"]
 

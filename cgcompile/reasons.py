@@ -30,7 +30,7 @@ class Reason(ChoiceEnum):
     TOO_SMALL = "too_small"
     DISABLED = "disabled"
     TE_RESTRICTION = "te_restriction"
-    # a runtime feature's plan-time reason (runtime/fsdp.py)
+    # a runtime feature's plan-time reason (runtime/frame/fsdp.py)
     FSDP_RESHARDED_PARAMS = "fsdp_resharded_params"
 
 

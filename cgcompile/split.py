@@ -1,4 +1,4 @@
-"""FX surgery on a planned graph: copy it before planning, hoist scalar-input reads, cut the graph into one
+"""FX surgery on a planned graph: copy it before planning, cut the graph into one
 submodule per partition (torch.fx.passes.split_module; keep_original_order=True keeps unbacked symbols defined
 before their uses), and swap a submodule for its runtime wrapper."""
 
@@ -11,7 +11,6 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from .passes.common import is_scalar_input_read
 from .passes.state_switches import grad_mode_after
 from .plan import GraphPlan
 
@@ -22,25 +21,6 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     copied = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     copied.meta = dict(gm.meta)
     return copied
-
-
-def hoist_scalar_input_reads(gm: fx.GraphModule) -> fx.GraphModule:
-    """Move the reads of Python-number inputs (passes/scalar_inputs.py) right after the placeholders, so they form
-    one eager run at the top instead of cutting captured regions apart. They depend on placeholders only, so the
-    move keeps the graph's meaning. Mutates and returns `gm`."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if not placeholders:
-        return gm
-    anchor = placeholders[-1]
-    moved = False
-    for node in list(gm.graph.nodes):
-        if is_scalar_input_read(node):
-            anchor.append(node)
-            anchor = node
-            moved = True
-    if moved:
-        gm.recompile()
-    return gm
 
 
 def split(gm: fx.GraphModule, graph_plan: GraphPlan) -> fx.GraphModule:

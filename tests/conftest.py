@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
-    from cgcompile.runtime.thread_state import GlobalState
+    from cgcompile.runtime.drivers.thread_state import GlobalState
     torch._dynamo.reset()
     before = GlobalState.now()
     yield

@@ -1,4 +1,4 @@
-"""Output arenas (cgcompile/runtime/arena.py): graphs of one partition captured for different input sizes share
+"""Output arenas (cgcompile/runtime/memory/arena.py): graphs of one partition captured for different input sizes share
 their outputs' memory, on the emulate driver (real shared CPU memory: a graph that wrote over another size's
 outputs still in use would give wrong numbers here, as on a GPU)."""
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import cgcompile
-from cgcompile.runtime.arena import arena_capacity, output_layouts, span_bytes, superseded
+from cgcompile.runtime.memory.arena import arena_capacity, output_layouts, span_bytes, superseded
 from tests.models import MODELS
 from tests.parity import assert_step_matches_eager
 

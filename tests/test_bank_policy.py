@@ -1,10 +1,10 @@
-"""The graph-bank policy's decisions on plain counters (cgcompile/runtime/bank_policy.py); the runtime that feeds
+"""The graph-bank policy's decisions on plain counters (cgcompile/runtime/bank/policy.py); the runtime that feeds
 them is tested end to end in test_graph_bank.py."""
 
 from __future__ import annotations
 
-from cgcompile.runtime import bank_policy
-from cgcompile.runtime.bank_policy import BankCounters
+from cgcompile.runtime.bank import policy as bank_policy
+from cgcompile.runtime.bank.policy import BankCounters
 
 
 def test_a_graph_is_stale_only_after_the_window_per_graph_of_its_parameter_set():

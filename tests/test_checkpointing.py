@@ -1,6 +1,6 @@
 """Non-reentrant activation checkpointing (torch.utils.checkpoint, use_reentrant=False) through the backend: the
 higher-order ops it brings pass through capture, and a checkpoint around an eager island is inlined with its
-nodes tagged for recomputation (cgcompile/checkpoint_inline.py)."""
+nodes tagged for recomputation (cgcompile/rewrites/checkpoint_inline.py)."""
 
 import copy
 
@@ -12,7 +12,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import cgcompile
 from cgcompile.backend import record_plans
-from cgcompile.checkpoint_inline import inline_checkpoints_around_islands
+from cgcompile.rewrites.checkpoint_inline import inline_checkpoints_around_islands
 
 OPTIONS = {"driver": "emulate", "cuda_graph_warmup_steps": 1, "cuda_graph_modules": []}
 

@@ -9,9 +9,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cgcompile.backend import compile_frame, make_plan
 from cgcompile.config import CudaGraphConfig
-from cgcompile.runtime.cuda_driver import CudaDriver
-from cgcompile.runtime.drivers import captures_on, device_of
-from cgcompile.runtime.model_runtime import ModelRuntime
+from cgcompile.runtime.drivers.cuda import CudaDriver
+from cgcompile.runtime.drivers.select import captures_on, device_of
+from cgcompile.runtime.local.model_runtime import ModelRuntime
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
 
@@ -82,7 +82,7 @@ def test_which_torch_releases_leave_the_default_generator_in_capture_mode():
     "Attempt to increase offset for a CUDA generator not in capture mode.",  # 2.11
 ])
 def test_a_capture_that_draws_from_an_own_generator_says_how_to_fix_it(torch_message):
-    from cgcompile.runtime.cuda_driver import capture_failure
+    from cgcompile.runtime.drivers.cuda import capture_failure
 
     text = str(capture_failure(RuntimeError(torch_message)))
     assert text.startswith(f"CUDA graph capture failed: {torch_message}")

@@ -73,7 +73,7 @@ def test_steady_decode_step_runs_nothing_outside_the_graph_but_input_copies(monk
     inference epilogue would copy every written cache buffer eagerly after it), for both inner compilers."""
     from cgcompile._compat import TorchDispatchMode
     from cgcompile.backend import cudagraph_modules
-    from cgcompile.runtime.emulate_driver import EmulatedGraph
+    from cgcompile.runtime.drivers.emulate import EmulatedGraph
 
     class OutsideReplay(TorchDispatchMode):
         inside = False

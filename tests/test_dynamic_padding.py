@@ -13,7 +13,7 @@ import cgcompile
 from cgcompile import reset_stats, stats
 from cgcompile.backend import record_plans
 from cgcompile.config import CudaGraphConfig
-from cgcompile.padding import bucket_for, pad_dynamic_rows
+from cgcompile.rewrites.padding import bucket_for, pad_dynamic_rows
 from cgcompile.passes.padding_marks import is_bucketed_producer
 from cgcompile.passes.common import op_key
 from cgcompile.passes.row_flow import row_flow

@@ -2,7 +2,7 @@
 on gloo, emulate driver, reshard_after_forward True and False.
 
 FSDP2 frees each unsharded parameter's storage after use and allocates it again for the next all-gather, at a
-new address (cgcompile/runtime/fsdp.py). With reshard_after_forward=False the graphs reading those parameters are
+new address (cgcompile/runtime/frame/fsdp.py). With reshard_after_forward=False the graphs reading those parameters are
 captured and FSDP2 keeps their storage; with True they are planned eager (reason fsdp_resharded_params) unless
 option fsdp_keep_unsharded keeps them too. Each configuration trains next to eager FSDP2, then releases the graphs
 (FSDP2 frees its unsharded storage again) and trains one more step.

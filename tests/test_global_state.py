@@ -14,7 +14,7 @@ from torch._higher_order_ops.associative_scan import associative_scan
 
 import cgcompile
 from cgcompile.backend import record_plans
-from cgcompile.runtime.thread_state import GlobalState
+from cgcompile.runtime.drivers.thread_state import GlobalState
 
 D = 8
 OPTIONS = {"driver": "emulate", "cuda_graph_warmup_steps": 1, "min_partition_ops": 1}

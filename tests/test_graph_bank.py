@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import cgcompile
-from cgcompile.runtime import bank_policy
+from cgcompile.runtime.bank import policy as bank_policy
 from tests.bank_run import moe_bank_run
 
 # whole-layer mode: mlp() below is one captured partition (its small runs join across the layer cuts)

@@ -120,8 +120,8 @@ def cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
 
 def test_the_walker_sees_function_level_and_relative_imports():
     edges = graph()
-    assert "cgcompile.runtime.cuda_driver" in edges["cgcompile.runtime.release"]  # imported inside release()
-    assert "cgcompile.runtime.release" in edges["cgcompile.runtime.model_runtime"]  # `from . import release`
+    assert "cgcompile.runtime.drivers.cuda" in edges["cgcompile.runtime.release"]  # imported inside release()
+    assert "cgcompile.runtime.release" in edges["cgcompile.runtime.local.model_runtime"]  # `from . import release`
     assert "cgcompile.plan" in edges["cgcompile.diagnostics"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -150,3 +150,66 @@ def test_architecture_page_lists_every_module():
     for path in MODULES.values():
         relative = path.relative_to(ROOT).as_posix()
         assert f"| `{relative}` |" in module_map or f"| `cgcompile/{relative}` |" in module_map, relative
+
+
+# runtime/ by concern, each sub-package importing only those before it (tensors and release are shared modules)
+RUNTIME_LAYERS = ["tensors", "drivers", "memory", "bank", "release", "local", "frame"]
+
+
+def runtime_layer(module: str) -> Optional[int]:
+    """The index in RUNTIME_LAYERS of a cgcompile.runtime module's sub-package (None outside them)."""
+    parts = module.split(".")
+    if parts[:2] != ["cgcompile", "runtime"] or len(parts) < 3:
+        return None
+    return RUNTIME_LAYERS.index(parts[2])
+
+
+def test_runtime_sub_packages_import_only_those_before_them():
+    back = [f"{name} -> {target}" for name, targets in graph().items() for target in targets
+            if runtime_layer(name) is not None and runtime_layer(target) is not None
+            and runtime_layer(target) > runtime_layer(name)]
+    assert back == []
+
+
+def test_every_runtime_module_sits_in_a_named_sub_package():
+    loose = [name for name in MODULES if name.startswith("cgcompile.runtime.") and runtime_layer(name) is None]
+    assert loose == []
+    assert {name.split(".")[2] for name in MODULES if name.startswith("cgcompile.runtime.")} == set(RUNTIME_LAYERS)
+
+
+def test_drivers_know_nothing_of_partitions_and_the_bank_touches_no_device():
+    edges = graph()
+    for name, targets in edges.items():
+        if name.startswith("cgcompile.runtime.drivers"):
+            assert not {t for t in targets if t.startswith(("cgcompile.runtime.local", "cgcompile.runtime.bank"))}, name
+        if name.startswith("cgcompile.runtime.bank"):
+            assert "torch.cuda" not in MODULES[name].read_text(), name
+
+
+def test_nothing_below_the_runtime_imports_it():
+    """Planning (passes, rewrites, planner, plan, config) is pure: it never imports the runtime, and counters (which
+    the runtime writes) import nothing of it either."""
+    edges = graph()
+    pure = [n for n in MODULES if n.startswith(("cgcompile.passes", "cgcompile.rewrites"))] + [
+        "cgcompile.planner", "cgcompile.plan", "cgcompile.config", "cgcompile.counters"]
+    assert {n: sorted(t for t in edges[n] if t.startswith("cgcompile.runtime")) for n in pure} == {n: [] for n in pure}
+
+
+MUTATING_CALLS = {"erase_node", "replace_all_uses_with", "replace_input_with", "recompile", "insert_before",
+                  "insert_after", "create_node", "call_function", "inserting_before", "inserting_after", "prepend",
+                  "append", "lint", "eliminate_dead_code"}
+
+
+def test_passes_read_the_graph_and_never_change_it():
+    """passes/ analyse, rewrites/ change: a graph method that edits nodes called in passes/ would be a rewrite
+    hiding among the analyses (list.append on the passes' own lists is fine: only calls on graphs and nodes count)."""
+    found = []
+    for name, path in MODULES.items():
+        if not name.startswith("cgcompile.passes"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATING_CALLS:
+                receiver = ast.unparse(node.func.value)
+                if "graph" in receiver or "node" in receiver or receiver in ("gm", "n", "user"):
+                    found.append(f"{name}: {receiver}.{node.func.attr}")
+    assert found == []

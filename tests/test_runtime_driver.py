@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from cgcompile.runtime.driver import CaptureError, is_capturing
-from cgcompile.runtime.drivers import EagerDriver, get_driver
-from cgcompile.runtime.emulate_driver import EmulateDriver
+from cgcompile.runtime.drivers.base import CaptureError, is_capturing
+from cgcompile.runtime.drivers.select import EagerDriver, get_driver
+from cgcompile.runtime.drivers.emulate import EmulateDriver
 
 
 def _fn(args):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cgcompile
-from cgcompile.runtime.strided_copy import broadcast_core, copy_into, static_copy, uncopyable_reason
+from cgcompile.runtime.tensors import broadcast_core, copy_into, static_copy, uncopyable_reason
 from tests.layout_cases import CASES, add_positions, on_device
 
 OPTIONS = {"driver": "emulate", "cuda_graph_warmup_steps": 1}

@@ -389,7 +389,7 @@ def test_every_capture_shares_the_runtimes_pool_and_the_wave_is_summarised_once(
 
 
 def test_progress_display_for_a_long_capture_wave(monkeypatch, capsys, caplog):
-    from cgcompile.runtime import model_runtime
+    from cgcompile.runtime.local import model_runtime
     monkeypatch.setattr(model_runtime, "PROGRESS_AFTER_S", -1.0)  # every capture counts as "long"
     monkeypatch.setitem(__import__("sys").modules, "tqdm", None)  # the plain stderr fallback
     rt = runtime()
@@ -450,3 +450,36 @@ def test_inductor_inner_compiler_with_in_graph_mutations():
             assert torch.equal(acc, acc_ref)
     s = stats()
     assert s["steady_replays"] > 0 and s["eager_fallbacks"] == []
+
+
+class Donating(nn.Module):
+    """Inductor's backward reuses a saved activation (aot's donated buffer: fc2's output, read by sin's backward)
+    as scratch, writing it in place from a C++ kernel."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc1 = nn.Linear(d, d)
+        self.fc2 = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        return self.fc2(h * h).sin()
+
+
+@needs_inductor_cpp
+def test_inductor_backward_writing_its_donated_saved_tensors_is_undone_at_capture():
+    """The emulated capture of the backward runs it once: its writes into the saved activations it was donated
+    must be undone, or the replay that follows reads scratch (issue #36: wrong grads from the capture step on)."""
+    assert functorch_config.donated_buffer  # torch's default: what this test is about
+    ref, model = twins(Donating)
+    rt = runtime(inner_compiler="inductor")
+    p = partition(model, rt)
+    for step in range(3):  # warmup, capture, replay
+        model.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)
+        x = torch.randn(4, 8)
+        p(x).sum().backward()
+        ref(x).sum().backward()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, step=step: f"step {step}: {m}")
+    assert graphs_of(p, "backward") and stats()["eager_fallbacks"] == []

@@ -25,9 +25,9 @@ import cgcompile
 from cgcompile import backend as backend_mod
 from cgcompile import reset_stats, stats
 from cgcompile.backend import record_plans
-from cgcompile.runtime import driver as driver_mod
-from cgcompile.runtime import drivers as drivers_mod
-from cgcompile.runtime import emulate_driver
+from cgcompile.runtime.drivers import base as driver_mod
+from cgcompile.runtime.drivers import select as drivers_mod
+from cgcompile.runtime.drivers import emulate as emulate_driver
 from tests.models import MODELS
 
 D = 8

@@ -1,6 +1,6 @@
 """The steady inference replay (PartitionRunner.__call__): after warmup and capture, a decode step's partition
 calls replay a graph captured at an earlier call through one short path, with the same decisions as the full path
-(graph_family.py): every case it does not cover (an output still held, a parameter moved, another mode, a released
+(runtime/local/family.py): every case it does not cover (an output still held, a parameter moved, another mode, a released
 graph) goes down the full path, and decode stays exact against eager (tokens, caches, version counters)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def run(step, model, reference, prompt, steps):
 
 def partition_calls(fn) -> list:
     """Per partition call `fn` makes (PartitionRunner.__call__), the names of the cgcompile functions it runs in
-    Python, the emulated device's own work (emulate_driver.py and what it calls) left out."""
+    Python, the emulated device's own work (runtime/drivers/emulate.py and what it calls) left out."""
     calls: list = []
     stack: list = []  # per frame entered: what it is ("partition", "device" or "")
 
@@ -50,10 +50,10 @@ def partition_calls(fn) -> list:
                 stack.pop()
             return
         outer = next((kind for kind in reversed(stack) if kind), "")
-        if code.co_name == "__call__" and code.co_filename.endswith("partition_runner.py") and outer != "partition":
+        if code.co_name == "__call__" and code.co_filename.endswith("runtime/local/runner.py") and outer != "partition":
             stack.append("partition")
             calls.append([code.co_name])
-        elif code.co_filename.endswith("emulate_driver.py") and outer == "partition":
+        elif code.co_filename.endswith("runtime/drivers/emulate.py") and outer == "partition":
             stack.append("device")
         else:
             stack.append("")
@@ -238,7 +238,7 @@ def test_steady_replays_not_yet_counted_still_count_when_the_graphs_go(end):
 def _sweeps(read_stats_every_step: bool, monkeypatch) -> list:
     """Each parameter set's clock at every sweep of its graphs (the bank policy's release pass) over 40 decode
     steps after warmup and capture."""
-    from cgcompile.runtime import partition_runner
+    from cgcompile.runtime.local import runner as partition_runner
 
     seen = []
     real = partition_runner.PartitionRunner._sweep
@@ -277,7 +277,7 @@ def cgcompile_runtimes() -> list:
 def test_reading_stats_counts_pending_replays_without_running_the_bank_policy(monkeypatch):
     """stats() may be read from another thread than the one replaying: what it brings up to date is counts, and the
     bank policy (sweeps, judgements, releases) runs only at replays."""
-    from cgcompile.runtime import partition_runner
+    from cgcompile.runtime.local import runner as partition_runner
 
     model, reference, step = decode("block")
     (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)

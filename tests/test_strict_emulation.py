@@ -1,4 +1,4 @@
-"""The emulate driver enforces the CUDA-graph contract as strictly as a CPU can (runtime/emulate_driver.py):
+"""The emulate driver enforces the CUDA-graph contract as strictly as a CPU can (runtime/drivers/emulate.py):
 values baked at capture, external tensors read in place, memory pools overwritten by earlier graphs' replays,
 host syncs the capture guard must see, higher-order operators."""
 
@@ -9,9 +9,9 @@ import torch
 import torch.nn as nn
 
 import cgcompile
-from cgcompile.padding import nonzero_bucketed
-from cgcompile.runtime.driver import CaptureError, StaleReplayError
-from cgcompile.runtime.emulate_driver import EmulateDriver
+from cgcompile.rewrites.padding import nonzero_bucketed
+from cgcompile.runtime.drivers.base import CaptureError, StaleReplayError
+from cgcompile.runtime.drivers.emulate import EmulateDriver
 
 HERE = __file__.rsplit("/", 1)[-1]
 
@@ -192,7 +192,7 @@ def test_the_capture_guard_sees_each_host_sync(fn, what):
 
 
 def test_a_host_to_device_copy_is_a_sync_on_cuda_unless_pinned_and_non_blocking():
-    from cgcompile.runtime.host_sync import host_sync_reason
+    from cgcompile.runtime.drivers.host_sync import host_sync_reason
 
     with torch._subclasses.FakeTensorMode():
         gpu, host = torch.empty(3, device="cuda"), torch.empty(3)
@@ -279,7 +279,7 @@ def test_the_pool_rule_is_what_keeps_accumulation_exact(pool_rule, monkeypatch):
     emulated pools: without it, the first partition's replay in the second forward overwrites the saved tensors
     of the second partition's first call, and its backward would read garbage (without emulated pools, the
     broken rule goes unnoticed: checked when this test was written)."""
-    from cgcompile.runtime.model_runtime import ModelRuntime
+    from cgcompile.runtime.local.model_runtime import ModelRuntime
 
     if not pool_rule:
         monkeypatch.setattr(ModelRuntime, "pool_allows", lambda self, graph: True)

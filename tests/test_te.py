@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import cgcompile
-from cgcompile.runtime.te_emulation import emulated_make_graphed_callables
+from cgcompile.runtime.frame.te_emulation import emulated_make_graphed_callables
 from cgcompile import reset_stats, stats
 from tests.models import MODELS
 from tests.parity import assert_step_matches_eager

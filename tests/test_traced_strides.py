@@ -1,4 +1,4 @@
-"""Values whose real strides differ from the ones aot_autograd traced (runtime/traced_strides.py).
+"""Values whose real strides differ from the ones aot_autograd traced (runtime/local/traced_strides.py).
 
 torch 2.13's meta kernels of `log_sigmoid_forward` and `softplus_backward` give other strides than the CPU/CUDA
 kernels for a transposed input, so aot plans a `view` that the real value cannot take: in the forward (and
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import cgcompile
-from cgcompile.runtime.traced_strides import traced_layout_differs
+from cgcompile.runtime.local.traced_strides import traced_layout_differs
 
 OPTIONS = {"driver": "emulate", "cuda_graph_warmup_steps": 1}
 STEPS = 4

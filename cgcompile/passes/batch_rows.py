@@ -1,5 +1,5 @@
 """The batch rows of a frame (option `capture_sizes`), at plan time: which symbol is the batch, whether padding
-it is exact, and where it sits at the frame's boundary (runtime/capture_sizes.py's BatchPadding reads that from
+it is exact, and where it sits at the frame's boundary (runtime/frame/capture_sizes.py's BatchPadding reads that from
 the plan: which inputs to pad along which dims, which outputs to slice back)."""
 
 from __future__ import annotations

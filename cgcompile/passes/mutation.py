@@ -25,3 +25,10 @@ def find_input_mutations(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
                                    detail=f"mutates graph input '{root.target}' in place (needs a copy-back)",
                                    hint="mutate a clone, or register the tensor as a module buffer so it is static")]
     return found
+
+
+def mutated_inputs(gm: fx.GraphModule) -> frozenset:
+    """Positions of gm's inputs that an op in gm writes (per the op schemas' alias annotations)."""
+    positions = {node: i for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    return frozenset(positions[w] for node in gm.graph.nodes if node.op == "call_function"
+                     for w in written_args(node) if w in positions)

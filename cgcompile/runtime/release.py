@@ -35,7 +35,7 @@ def release() -> None:
     """Reset every captured graph, forget every pool and side stream, and return the memory to CUDA."""
     for holder in list(_holders):
         holder.release()
-    from .cuda_driver import release_cuda_graphs
+    from .drivers.cuda import release_cuda_graphs
     release_cuda_graphs()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()

@@ -52,8 +52,8 @@ def test_eager_draws_work_after_a_capture_failed_inside_cuda():
     """A sync inside the capture (warmup=False skips the guard) invalidates it; on torch 2.11 the default
     generator then stayed in capture mode and the next eager draw raised "Offset increment outside graph
     capture encountered unexpectedly". Afterwards draws work, and the undo drew nothing."""
-    from cgcompile.runtime.cuda_driver import CudaDriver
-    from cgcompile.runtime.driver import CaptureError
+    from cgcompile.runtime.drivers.cuda import CudaDriver
+    from cgcompile.runtime.drivers.base import CaptureError
 
     driver = CudaDriver(torch.device("cuda"))
     x = torch.randn(4, device="cuda")
@@ -71,8 +71,8 @@ def test_eager_draws_work_after_a_capture_failed_inside_cuda():
 
 
 def test_a_capture_drawing_from_an_own_generator_fails_with_the_fix_and_leaves_both_generators_usable():
-    from cgcompile.runtime.cuda_driver import CudaDriver
-    from cgcompile.runtime.driver import CaptureError
+    from cgcompile.runtime.drivers.cuda import CudaDriver
+    from cgcompile.runtime.drivers.base import CaptureError
 
     own = torch.Generator(device="cuda").manual_seed(1)
     driver = CudaDriver(torch.device("cuda"))
@@ -86,7 +86,7 @@ def test_a_capture_drawing_from_an_own_generator_fails_with_the_fix_and_leaves_b
 def test_a_token_whose_graphs_were_all_reset_captures_again():
     """The graph's output is still held when the graph is reset: torch keeps the pool at use count 0 and a capture
     into it failed create_or_incref_pool's internal assert (use_count > 0)."""
-    from cgcompile.runtime.cuda_driver import CudaDriver
+    from cgcompile.runtime.drivers.cuda import CudaDriver
 
     driver = CudaDriver(torch.device("cuda"))
     token = driver.new_pool()

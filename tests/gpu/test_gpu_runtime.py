@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from cgcompile import reset_stats, stats
-from cgcompile.runtime.cuda_driver import CudaDriver
-from cgcompile.runtime.driver import CaptureError
+from cgcompile.runtime.drivers.cuda import CudaDriver
+from cgcompile.runtime.drivers.base import CaptureError
 from cgcompile.backend import record_plans
 from tests.test_runtime_traps import (SYNCING_TAGS, TIED_TAGS, Net, Syncing, Tied, batch, compiled, grads,
                                       is_static, partition_name, tag_syncing, tag_tied)

@@ -2,7 +2,7 @@
 shared expert; tiny config, fp32) trains through the backend like eager: every loss, every gradient and every
 buffer, with its graphs replayed after warmup. Its delta-net's softplus gradient arrives transposed, where
 torch's meta kernel says contiguous (tests/test_traced_strides.py has the plain-PyTorch pattern); before
-runtime/traced_strides.py the first backward crashed in a `view`."""
+runtime/local/traced_strides.py the first backward crashed in a `view`."""
 
 import torch
 

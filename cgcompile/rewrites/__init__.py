@@ -1,0 +1,3 @@
+"""FX rewrites made before planning, each on a copy the backend owns (the passes in passes/ only read): scalar
+reads hoisted to the top, data-dependent index ops made static (dynamic_padding), checkpoints inlined around
+eager islands."""

@@ -1,0 +1,398 @@
+"""The graphs of one partition's input signature: a `BankEntry` (one aot_autograd compilation per graph-bank key)
+and its `GraphFamily`s (the captured instances of one aot graph, forward, backward or inference: which instance
+a call replays, when a new one is captured, the eager warmup before, which outputs are handed out as copies).
+
+aot_autograd splits the partition into functional aten forward and backward graphs; its runtime wrappers keep
+doing input mutation copy-back and output aliasing, while our compilers wrap each graph in a GraphFamily that
+warms up, captures and replays it through the driver. The partition they belong to (`part`, a PartitionRunner,
+runtime/local/runner.py) keeps the bank, its policy and every counter (the family calls its methods); the buffer
+rules are in graph.py.
+
+Finding an instance costs the same whatever the number of layers or instances: instances are kept per parameter
+set (the identity of the partition's first parameter, `PartitionRunner.call_key`), each checks its fixed addresses
+in one pass, and the pool rule is tracked incrementally (runtime/local/model_runtime.py).
+
+Outputs kept beyond their step: an eager island's autograd context may keep a partition output as an attribute
+(transformers' grouped-mm fallback stores `ctx.offs`), or a caller keeps one across calls (a cache list). Such a
+holder would keep the graph held into the next step, and every call would need another instance. So each family
+learns which output positions are still referenced at its next call once nothing is pending (its backward ran;
+an inference graph has none): during warmup from its eager runs, later from a held instance. Those positions are
+then handed out as copies (one device copy each), which the holder may keep as long as it likes.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+
+import torch
+import torch.fx as fx
+
+from ... import _compat
+from ...passes.collectives import collective_counts
+from ..memory.arena import OutputLayout, output_layouts
+from ..drivers.thread_state import preserved_global_state
+from ...passes.mutation import mutated_inputs
+from ..tensors import at_positions
+from .instance import GraphInstance, capture_instance
+from .traced_strides import keep_traced_strides
+
+__all__ = ["BankEntry", "GraphFamily"]
+
+log = logging.getLogger("cgcompile")
+
+
+class EagerHandout:
+    """What one eager (warmup) forward run handed out: a weak reference per fresh output storage, and whether its
+    backward has run, to learn which positions callers keep beyond their step."""
+
+    def __init__(self, family: "GraphFamily", key: int, outputs: Sequence[Any], inputs: Sequence[Any],
+                 pending: bool):
+        self.family = family
+        self.key = key
+        taken = {_compat.storage_key(t)[0] for t in inputs if isinstance(t, torch.Tensor)}
+        self.refs = {j: (_compat.storage_key(out)[1], _compat.storage_weak_ref(out)) for j, out in enumerate(outputs)
+                     if isinstance(out, torch.Tensor) and _compat.storage_key(out)[0] not in taken}
+        self.pending_backward = pending
+
+    def held_positions(self) -> Set[int]:
+        return {j for j, (_, ref) in self.refs.items() if not ref.expired()}
+
+    def leaves_frame(self, output: torch.Tensor) -> None:
+        """`output` is returned by the compiled frame: the caller holding it is no holder of a replay's output
+        (the runtime hands frame outputs out as copies, ModelRuntime.finish_frame_outputs)."""
+        handle = _compat.storage_key(output)[1]
+        self.refs = {j: entry for j, entry in self.refs.items() if entry[0] != handle}
+
+    def backward_ran(self) -> None:
+        self.pending_backward = False
+
+
+def _source_of(args: Sequence[Any], family: Optional["GraphFamily"]) -> Any:
+    """The forward call of `family` (a GraphInstance or an EagerHandout) whose outputs these backward arguments
+    are (others may carry the forward calls of the partitions before it: its saved inputs)."""
+    for arg in args:
+        source = getattr(arg, "_cgcompile_source", None)
+        if source is not None and source.family is family:
+            return source
+    return None
+
+
+class GraphFamily:
+    """The captured instances of one aot graph (forward, backward or inference) of one bank entry."""
+
+    def __init__(self, entry: "BankEntry", kind: str, run: Callable[[list], Any], mutated: frozenset,
+                 collectives: Optional[Dict[str, int]] = None):
+        self.entry = entry
+        self.part = entry.part
+        self.kind = kind
+        self.run = run  # the uncaptured graph (aot graph, or Inductor's compiled version)
+        self.mutated = mutated  # inputs the graph itself writes (Inductor keeps some input mutations)
+        self.collectives = collectives or {}  # the c10d collectives the graph runs, e.g. DTensor's (stats()["graphs"])
+        self.instances: Dict[int, List[GraphInstance]] = {}  # forward/inference instances per parameter set
+        self.layouts: Optional[List[OutputLayout]] = None  # its outputs' layouts, seen in an eager run (arenas)
+        self.copy_out: Set[int] = set()  # output positions callers keep beyond their step: handed out as copies
+        self.saved: Set[int] = set()  # forward output positions the backward reads (autograd's saved tensors)
+        self.moving: Set[int] = set()  # written inputs seen at other addresses: copied in and back
+        self._eager: Dict[int, EagerHandout] = {}  # per parameter set, its last warmup run
+        self._warmed: Set[int] = set()  # parameter sets this graph ran for on the driver's warmup stream
+        self._written: Dict[int, list] = {}  # per parameter set, the written inputs (weakly) of its last warmup
+
+    # calls ---------------------------------------------------------------------------------------------------
+
+    def __call__(self, args: list) -> Any:
+        part = self.part
+        if part.broken is not None or not part.driver.captures:
+            return self.run(args)
+        if self.kind == "backward":
+            return self._backward(args)
+        key = part.call_key
+        if self._eager:
+            self._learn_from_warmup(key)
+        if part.warming_up(self, key):
+            return self._warmup(key, args)
+        out = self._forward(key, args)
+        part.after_call(key)
+        return out
+
+    def _watch_written(self, key: int, args: list) -> None:
+        """Warmup calls tell whether an input the graph writes is the same tensor every call (read in place once
+        captured) or not (copied in and back from the first capture): identity, not address, since a fresh tensor
+        may land where the last one was freed."""
+        positions = sorted(self.mutated)
+        now = [weakref.ref(args[i]) if isinstance(args[i], torch.Tensor) else None for i in positions]
+        before = self._written.get(key)
+        if before is not None:
+            self.moving.update(i for i, a, b in zip(positions, now, before)
+                               if a is not None and (b is None or b() is not a()))
+        self._written[key] = now
+
+    def _run_warming(self, key: int, args: list) -> Any:
+        """An eager run on the driver's warmup stream (per-stream library state then exists before a capture on
+        it, so the capture needs no warmup run of its own)."""
+        with self.part.driver.warmup_stream():
+            out = self.run_eagerly(args)
+        self._warmed.add(key)
+        return out
+
+    def run_eagerly(self, args: list) -> Any:
+        """The uncaptured graph; for a partition whose sizes vary, its outputs' layouts are noted on the way
+        (an output arena is sized before capture, arena.py)."""
+        out = self.run(args)
+        if self.part.sized and self.layouts is None:
+            self.layouts = output_layouts(list(out), args, self.part.runtime.device)
+            self.part.arenas.note_layouts(self.kind, self.layouts)
+        return out
+
+    def _warmup(self, key: int, args: list) -> Any:
+        self._watch_written(key, args)
+        out = list(self._run_warming(key, args))
+        handout = EagerHandout(self, key, out, args, pending=self.kind == "forward")
+        passed_through = {id(a) for a in args}
+        for t in out:
+            if isinstance(t, torch.Tensor) and id(t) not in passed_through:  # an input returned keeps its own tag
+                t._cgcompile_source = handout
+        self._eager[key] = handout
+        return out
+
+    def _forward(self, key: int, args: list) -> Any:
+        part = self.part
+        graph = self._replayable(key, args)
+        if graph is not None:
+            out = graph.replay(args, alias=True, copies=self.copy_out)
+            part.note_replay(key, graph)
+            return out
+        stale = self._stale(key, args)
+        if stale is not None:
+            return self._capture_and_run(key, args, replace=stale[0], reason=stale[1])
+        if part.stopped is not None:
+            part.note_eager(key)
+            return self.run(args)  # stopped capturing new sizes (bank policy); its graphs still replay
+        if not part.has_room(key):
+            part.note_eager(key, f"max_graphs_per_partition={part.config.max_graphs_per_partition} reached (every "
+                                 f"instance held or captured for other inputs); this call runs eagerly")
+            return self.run(args)
+        return self._capture_and_run(key, args)
+
+    def _replayable(self, key: int, args: list) -> Optional[GraphInstance]:
+        """An instance of this parameter set that may replay for `args` now (addresses match, nothing holds its
+        memory or its stolen grads, the pool rule allows it), or None."""
+        runtime = self.part.runtime
+        for graph in self.instances.get(key, ()):
+            if not graph.addresses_match(args):
+                continue
+            if graph.held():
+                self.learn_held(graph)
+                continue
+            bw = graph.bw
+            if bw is not None and bw.held():  # its grads, stolen as .grad, are still in use
+                bw.stop_stealing()
+                continue
+            blocker = runtime.pool_blocker(graph)
+            if blocker is None:
+                return graph
+            if blocker.kind != "backward":  # a graph held after this one: a holder its family can learn
+                blocker.family.learn_held(blocker)
+        return None
+
+    def _stale(self, key: int, args: list) -> Optional[tuple]:
+        """(instance, why) when an instance for these very parameter objects is stale (checked on a miss only): a
+        parameter moved, or a written input it reads in place comes at another address (copied in and back
+        from now on)."""
+        for graph in self.all_instances():
+            reason = graph.moved(args)
+            if reason is not None:
+                return graph, reason
+        for graph in self.instances.get(key, ()):
+            moved = graph.in_place_moved(args)
+            if moved:
+                self.moving.update(moved)
+                return graph, (f"written input(s) {moved} came at another address: copied in and back from now "
+                               f"on instead of written in place")
+        return None
+
+    def learn_held(self, graph: GraphInstance) -> None:
+        """A held instance with nothing pending: the positions still referenced are kept beyond the step."""
+        if graph.pending_backward:
+            return
+        self._keep_as_copies(graph.held_positions())
+
+    def _learn_from_warmup(self, key: int) -> None:
+        handout = self._eager.get(key)
+        if handout is not None and not handout.pending_backward:
+            del self._eager[key]
+            self._keep_as_copies(handout.held_positions())
+
+    def _keep_as_copies(self, positions: Set[int]) -> None:
+        new = positions - self.saved - self.copy_out
+        if not new:
+            return
+        self.copy_out |= new
+        self.part.note_copy_out(self.kind, sorted(new))
+
+    def _capture_and_run(self, key: int, args: list, replace: Optional[GraphInstance] = None,
+                         reason: str = "") -> Any:
+        part = self.part
+        streak = 0
+        if replace is not None:
+            self.remove(replace)
+            streak = part.recapturing(key, replace, self.kind, reason)
+            if streak is None:
+                return self.run(args)
+        try:
+            graph = self._capture(key, args, frozenset(part.inputs.static_storages()))
+        except Exception as exc:
+            part.fail(f"capturing its {self.kind} graph failed: {type(exc).__name__}: {exc}")
+            return self.run(args)
+        graph.remember_params(args, part.runtime.note_dead)
+        self.instances.setdefault(key, []).append(graph)
+        out = graph.replay(args, alias=True, copies=self.copy_out)
+        part.note_capture(key, graph, streak)
+        return out
+
+    def remove(self, graph: GraphInstance) -> None:
+        """Forget a forward/inference instance (released or stale; the runtime gives its memory back)."""
+        for instances in self.instances.values():
+            if graph in instances:
+                instances.remove(graph)
+
+    def _backward(self, args: list) -> Any:
+        forward = self.entry.forward
+        source = _source_of(args, forward)
+        if isinstance(source, EagerHandout):
+            source.backward_ran()
+            return self._run_warming(source.key, args)
+        instance = source if source is not None else forward.owner_of(args) if forward is not None else None
+        handout = forward.pending_eager_run() if instance is None and forward is not None else None
+        if handout is not None:
+            handout.backward_ran()
+            return self._run_warming(handout.key, args)
+        if instance is None or not instance.alive:
+            return self.run_eagerly(args)  # its forward ran eagerly (cap, fallback) or was released
+        instance.backward_ran()
+        forward.note_saved(instance, args)
+        runtime = self.part.runtime
+        if instance.bw is None:
+            try:
+                instance.attach_backward(self._capture(instance.key, args, instance.param_storages, instance))
+            except Exception as exc:
+                self.part.fail(f"capturing its backward graph failed: {type(exc).__name__}: {exc}")
+                return self.run(args)
+        elif instance.bw.held() or not runtime.pool_allows(instance.bw) or not instance.bw.addresses_match(args):
+            return self.run(args)  # e.g. a second backward through the same forward (retain_graph)
+        bw = instance.bw
+        bw.note_grads(self._grads_cleared(instance))
+        # An arena's memory is shared with other sizes: hand out aliases, whose lives the arena can see (autograd
+        # may hold a returned grad in an input buffer until another size's backward has run).
+        out = bw.replay(args, alias=bw.steal or bw.arena is not None)
+        runtime.note_replay(bw)
+        return out
+
+    @staticmethod
+    def _grads_cleared(instance: GraphInstance) -> bool:
+        """Are the grads of the parameters this instance reads unset, as after zero_grad(set_to_none=True)?
+        Checked before the backward replays, i.e. before AccumulateGrad runs for them."""
+        params = [ref() for ref in instance.param_refs.values()]
+        return all(p is None or p.grad is None for p in params)
+
+    def owner_of(self, backward_args: Sequence[Any]) -> Optional[GraphInstance]:
+        """The forward instance whose memory holds these saved tensors, when no alias object carried it."""
+        runtime = self.part.runtime
+        for arg in backward_args:
+            if isinstance(arg, torch.Tensor):
+                graph = runtime.owner(arg)
+                if isinstance(graph, GraphInstance) and graph.family is self:
+                    return graph
+        return None
+
+    def pending_eager_run(self) -> Optional[EagerHandout]:
+        """For a backward whose saved tensors name no forward call (its forward saved only its inputs and
+        parameters): the latest warmup run still pending, taken as its forward (each backward of a step marks one,
+        so all are marked by the next step, when they are read); None when none is pending."""
+        return next((h for h in reversed(list(self._eager.values())) if h.pending_backward), None)
+
+    def note_saved(self, instance: GraphInstance, backward_args: Sequence[Any]) -> None:
+        """Learn, once, which forward outputs the backward reads: autograd frees them after the backward, so they
+        are never copies (a held one means a pending backward)."""
+        if self.saved:
+            return
+        handed = {id(alias): j for j, alias in enumerate(instance.handed_aliases())}
+        self.saved = {handed[id(arg)] for arg in backward_args if id(arg) in handed}
+
+    def _capture(self, key: int, args: list, param_storages: frozenset,
+                 forward: Optional[GraphInstance] = None) -> GraphInstance:
+        part = self.part
+        name = forward.label.rsplit(" ", 1)[0] if forward is not None else part.inputs.graph_name(args, param_storages)
+        arenas = part.arenas.group(self.kind, param_storages) if part.sized else None
+        graph = capture_instance(self, part.name, f"{name} {self.kind}", self.kind, self.run, args, param_storages,
+                                 self.mutated, key, part.runtime, part.driver, part.inputs.input_names_of(args), arenas,
+                                 self.layouts, part.arenas.reserve(self.kind, self.layouts, self.entry.batch),
+                                 warmed_up=key in self._warmed, moving=frozenset(self.moving))
+        if arenas is not None:
+            part.retire_superseded(arenas)
+        return graph
+
+    def all_instances(self) -> List[GraphInstance]:
+        return [graph for instances in self.instances.values() for graph in instances]
+
+    def discard(self) -> None:
+        for graph in self.all_instances():
+            self.part.runtime.discard(graph)
+        self.instances = {}
+
+    def drop_backward(self, bw: GraphInstance) -> None:
+        """Forget the backward graph `bw` of whichever of these forward instances owns it (captured again later)."""
+        for graph in self.all_instances():
+            if graph.bw is bw:
+                graph.attach_backward(None)
+
+
+# --- one input signature of a partition ----------------------------------------------------------------------
+
+
+class BankEntry:
+    """One aot_autograd compilation of a partition (one graph-bank key) and its forward/backward/inference
+    graph families (which aot creates through our compilers)."""
+
+    def __init__(self, part: Any, args: Sequence[Any]):
+        self.part = part
+        self.forward: Optional[GraphFamily] = None
+        self.backward: Optional[GraphFamily] = None
+        self.inference: Optional[GraphFamily] = None
+        self.bumps: Optional[tuple] = None  # inference graph aot's wrapper only calls: positions whose versions it bumps
+        self.bumped: Optional[Callable[[Sequence[Any]], tuple]] = None  # those arguments of a call
+        self.batch = part.arenas.batch_of(args)  # capture_sizes: the (padded) batch of this signature
+        with preserved_global_state():  # tracing runs the partition's grad-mode/vmap switches for real
+            self.fn = _compat.aot_compile(part.traced, args, self._family,
+                                          inductor=str(part.config.inner_compiler) == "inductor")
+
+    def _family(self, kind: str, run: Callable[[list], Any], gm: fx.GraphModule,
+                direct: Optional[tuple]) -> Callable[[list], Any]:
+        """Called by aot for each graph it compiles: the GraphFamily aot runs instead of it."""
+        if kind == "inference":
+            self.bumps = direct
+            if direct:  # the arguments whose versions a call bumps, in one C call
+                self.bumped = at_positions(direct)
+        mutated = mutated_inputs(gm)
+        if str(self.part.config.inner_compiler) != "inductor":  # Inductor lays out its own buffers
+            run = keep_traced_strides(gm, run, f"{self.part.name} {kind}")
+        elif kind == "backward":  # its kernels may write the saved tensors donated to it: undone after a capture run
+            mutated |= _compat.donated_inputs()
+        family = GraphFamily(self, kind, run, mutated, collective_counts(gm))
+        setattr(self, kind, family)
+        return family
+
+    def run_direct(self, args: Sequence[Any]) -> List[Any]:
+        """An inference call without aot's runtime wrapper, for an inference graph it would only call (`bumps` set):
+        its per-argument work, redone on every call, skipped. The graph, then the version bumps the wrapper makes
+        for the inputs the graph writes."""
+        out = self.inference(list(args))
+        if self.bumped is not None:
+            _compat.increment_versions(self.bumped(args))
+        return out
+
+    def discard(self) -> None:
+        for family in (self.forward, self.inference):
+            if family is not None:
+                family.discard()

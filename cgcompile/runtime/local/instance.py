@@ -1,0 +1,407 @@
+"""One captured graph (`GraphInstance`) and the buffer rules it implements: how each argument of a call reaches
+the graph's static inputs, what a replay hands out, when a graph is held, when a backward's grads may be stolen.
+
+`capture_instance` classifies each argument and captures through the driver; runtime/local/family.py picks the instance a
+call replays; ModelRuntime (runtime/local/model_runtime.py) keeps the registry of which graph owns which memory, the live graphs
+and the pool rule. The buffer rules, in one place:
+
+- Static inputs (parameters, buffers) are never copied: their address is recorded at capture and checked at
+  replay (one pass over the addresses); a moved one re-captures (counted in stats()["recaptures"]). Other
+  parameters altogether (Dynamo reuses one compiled frame for every layer when layers graph-break) get graphs of
+  their own, found by the address of the partition's first parameter.
+- An input living in memory owned by another captured graph (the previous partition's output, the saved
+  activations a backward receives) is *borrowed*: no copy, and the graph only replays for that same address.
+- An input the graph writes (a KV cache passed as an argument; Inductor keeps some input mutations in its graphs)
+  is read and written *in place*: no copy in, none back; its address is checked like a parameter's. Once its
+  address is seen to change between calls (an activation written in place), its family copies it in and back
+  instead (runtime/local/family.py).
+- Everything else is copied into a static buffer owned by the graph, all in one call.
+- Forward/inference outputs are handed out as fresh aliases (`detach()`), never the static tensors: autograd
+  attaches grad_fn to the returned objects, so one object reused across calls would corrupt the earlier call's
+  graph. A graph is *held* while an alias from its last replay is alive (saved for backward, kept by the caller)
+  or anything else references its memory (runtime/memory/claim.py). A held graph is never replayed; the call uses another
+  *instance* (captured on demand, like Megatron's per-microbatch graphs), which is what makes fwd, fwd, bwd, bwd
+  correct. Output positions callers keep beyond their step are handed out as copies instead (runtime/local/family.py
+  learns which), so such a caller holds no graph.
+- A backward graph belongs to one forward instance: autograd hands the backward the very alias objects the
+  forward replay returned (they carry their graph); it is captured at that instance's first backward. Since a
+  held instance never replays, an instance has at most one pending backward.
+- Backward outputs: returned as the held static tensors themselves, AccumulateGrad cannot steal one as
+  `param.grad` and clones it (a kernel per parameter per step, which eager does not pay); the next backward nodes
+  read them, so the graph counts as held until the backward pass ends. So once a backward
+  graph has seen its parameters' grads cleared (`zero_grad(set_to_none=True)`) before two replays in a row,
+  it hands out aliases instead, which AccumulateGrad steals: `param.grad` is then the graph's memory, and the
+  graph (with its forward instance, and under the pool rule every graph before it in the pool) stays held until
+  the grads are released. A loop that keeps grads (accumulation, `set_to_none=False`) never gets there, and
+  one found keeping them after stealing began turns stealing off for that graph.
+- A partition whose input sizes vary writes the outputs of its graphs for different sizes into shared memory,
+  an output arena (arena.py): such a graph is also held while its arena is, and its backward always hands out
+  aliases (autograd may hold a returned grad in an input buffer while another size's backward runs).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from ... import _compat
+from ...counters import add_replays
+from ..memory.arena import ArenaGroup, OutputArena, OutputLayout, output_layouts, span_bytes, writing_into
+from ..drivers.base import CaptureError, CapturedGraph, Driver
+from ..drivers.thread_state import preserved_global_state
+from ..tensors import at_positions, copy_into, static_copy, storage_ptr, uncopyable_reason
+from ..memory.claim import MemoryClaim
+from ..drivers.write_undo import WriteUndo
+
+_copy_all = _compat.copy_all
+
+# How a call argument reaches a graph's static input (ARENA: not an argument, the output arena's views).
+CONST, PARAM, BORROWED, IN_PLACE, OWNED, ARENA = "const", "param", "borrowed", "in_place", "owned", "arena"
+_FIXED = (PARAM, BORROWED, IN_PLACE)  # read where they are: the address must match
+
+
+# --- one captured graph --------------------------------------------------------------------------------------
+
+
+class GraphInstance:
+    """One captured graph, and how each argument of a call reaches its static inputs.
+
+    `family` is the GraphFamily (runtime/local/family.py) that captured it; `partition` (the partition's name), `label`
+    (unique, readable) and `kind` ("forward", "backward", "inference") name it in logs and stats()["graphs"];
+    `key` is the parameter set it serves. Its memory (`claim`, runtime/memory/claim.py) is registered with the runtime,
+    which records borrowers through borrow()/forget()."""
+
+    def __init__(self, family: Any, partition: str, label: str, kind: str, captured: CapturedGraph, kinds: List[str],
+                 param_storages: frozenset, capture_seconds: float, key: int, mutated: frozenset = frozenset()):
+        self.family = family
+        self.partition = partition
+        self.label = label
+        self.kind = kind
+        self.key = key
+        self.captured: Optional[CapturedGraph] = captured
+        self.kinds = kinds
+        self.param_storages = param_storages
+        self.capture_seconds = capture_seconds
+        inputs = captured.static_inputs
+        fixed = [i for i, k in enumerate(kinds) if k in _FIXED]
+        # addresses_match(args): are the parameters, borrowed and in-place inputs where this graph reads them?
+        self.addresses = _compat.AddressCheck(fixed, [inputs[i].data_ptr() for i in fixed])
+        self.addresses_match = self.addresses.matches
+        copies = [i for i, k in enumerate(kinds) if k is OWNED]
+        self.copy_back = [i for i in copies if i in mutated]  # written by the graph: the caller's tensor gets it
+        self.in_place = [i for i, k in enumerate(kinds) if k is IN_PLACE]
+        self.expanded_copies = [i for i in copies if 0 in inputs[i].stride()]  # copied by their core
+        self.copies = [i for i in copies if i not in self.expanded_copies]
+        self.copy_buffers = [inputs[i] for i in self.copies]
+        # the call's arguments at self.copies, as a sequence, in one C call
+        self._copy_sources = at_positions(self.copies)
+        self.tensor_outputs = [j for j, t in enumerate(captured.static_outputs) if isinstance(t, torch.Tensor)]
+        self.all_tensors = len(self.tensor_outputs) == len(captured.static_outputs)
+        # replay_plain serves it under no_grad: an inference graph whose every input is copied in or read in place,
+        # none written back, whose outputs are all tensors, with no output arena (capture_instance may set one)
+        self.plain = (kind == "inference" and self.all_tensors and not self.expanded_copies
+                      and not self.copy_back)
+        self.claim = MemoryClaim()
+        self.lenders: List[Tuple[MemoryClaim, int, int]] = []  # (lender's claim, storage ptr, references we keep)
+        self.pool_position: Optional[int] = None
+        self.arena: Optional[OutputArena] = None
+        self.replays = 0
+        self.bw: Optional[GraphInstance] = None  # a forward instance's backward graph
+        self.pending_backward = False  # forward: replayed, its backward not run yet
+        self.in_backward_pass = False  # backward: handed out its static outputs in the backward pass running now
+        self.cleared_streak = 0  # backward: replays in a row that found the parameters' grads cleared
+        self.param_refs: Dict[int, weakref.ref] = {}  # the caller's parameter objects: moved, or freed?
+
+    # memory registry (ModelRuntime) ----------------------------------------------------------------------
+
+    def borrow(self, lender: MemoryClaim, ptr: int, kept: int) -> None:
+        """This graph keeps `kept` references to memory `lender` claims: they count as the lender's idle state."""
+        lender.keep(ptr, kept)
+        self.lenders.append((lender, ptr, kept))
+
+    def settle(self, pool_position: Optional[int]) -> None:
+        """After capture, nothing handed out yet: the current use counts are the graph's own references."""
+        self.claim.settle()
+        self.pool_position = pool_position
+
+    def forget(self) -> Optional["GraphInstance"]:
+        """Give up every memory claim (re-capture, fallback, release) so the storage can be freed. Returns the
+        backward graph that belonged to this instance, for the runtime to forget too."""
+        for lender, ptr, kept in self.lenders:
+            lender.keep(ptr, -kept)
+        bw, self.bw = self.bw, None
+        if self.arena is not None:
+            self.arena.leave(self)
+        self.lenders, self.claim, self.captured = [], MemoryClaim(), None
+        return bw
+
+    @property
+    def alive(self) -> bool:
+        """Still captured (not discarded): its memory claims count."""
+        return self.captured is not None
+
+    # use -----------------------------------------------------------------------------------------------------
+
+    def remember_params(self, args: Sequence[Any], on_death: Callable[["GraphInstance"], None]) -> None:
+        """Keep weak references to the caller's parameter objects: to tell "moved" from "another layer's", and
+        to hear when one is freed (load_state_dict(assign=True)): `on_death(graph)` then releases it at once."""
+        me = weakref.ref(self)
+
+        def freed(_: Any) -> None:
+            graph = me()
+            if graph is not None and graph.alive:
+                on_death(graph)
+
+        self.param_refs = {i: weakref.ref(args[i], freed) for i, k in enumerate(self.kinds) if k is PARAM}
+
+    def handed_aliases(self) -> List[Optional[torch.Tensor]]:
+        """The aliases its last replay handed out, by output position (None where dead or copied)."""
+        return self.claim.aliases()
+
+    def attach_backward(self, bw: Optional["GraphInstance"]) -> None:
+        self.bw = bw
+
+    def backward_ran(self) -> None:
+        """Its backward ran (replayed or eagerly): nothing of its last replay is pending any more."""
+        self.pending_backward = False
+
+    def note_grads(self, cleared: bool) -> None:
+        """Backward: before this replay the parameters' grads were (not) cleared; two in a row enable stealing."""
+        self.cleared_streak = self.cleared_streak + 1 if cleared else 0
+
+    def stop_stealing(self) -> None:
+        """The loop keeps the grads it was given across steps: backward outputs are copied from now on."""
+        self.cleared_streak = 0
+
+    @property
+    def steal(self) -> bool:
+        """Backward: hand out aliases that AccumulateGrad may keep as param.grad (grads seen cleared twice)."""
+        return self.cleared_streak >= 2
+
+    def held(self) -> bool:
+        """Is this graph's memory, or the output arena it shares with other sizes (arena.py), in use?"""
+        return self.in_backward_pass or self.claim.held() or (self.arena is not None and self.arena.held())
+
+    def free(self) -> bool:
+        """not held(): the steady replay's memory test for a graph that is not plain (runtime/local/runner.py)."""
+        return not self.held()
+
+    def held_positions(self) -> Set[int]:
+        """Output positions of the last replay still in use: an alias alive, or a view of its storage."""
+        storages = self.claim.held_storages()
+        outputs = self.captured.static_outputs if self.captured is not None else []
+        return set(self.claim.alive_aliases()) | {
+            j for j, out in enumerate(outputs) if isinstance(out, torch.Tensor) and storage_ptr(out) in storages}
+
+    def in_place_moved(self, args: Sequence[Any]) -> List[int]:
+        """The in-place inputs this call passes at other addresses, when its parameters and borrowed inputs are
+        where this graph reads them (so only those inputs stop it from replaying)."""
+        inputs = self.captured.static_inputs
+        moved = [i for i in self.in_place if args[i].data_ptr() != inputs[i].data_ptr()]
+        check = self.addresses
+        others = [(i, p) for i, p in zip(check.indices, check.ptrs) if i not in self.in_place]
+        if moved and all(args[i].data_ptr() == p for i, p in others):
+            return moved
+        return []
+
+    def moved(self, args: Sequence[Any]) -> Optional[str]:
+        """Why this graph is stale for `args`, if one of its own parameter objects is passed at another address
+        (else the call passes other parameters, e.g. another layer's)."""
+        inputs = self.captured.static_inputs
+        for i, ref in self.param_refs.items():
+            if ref() is args[i] and args[i].data_ptr() != inputs[i].data_ptr():
+                return f"static input {i} moved (parameter or buffer re-allocated)"
+        return None
+
+    def _held_until_backward_ends(self) -> None:
+        """A backward graph handed out its static tensors themselves, whose users no claim can see (the next
+        backward node reads them, AccumulateGrad copies them): they are in use until the backward pass ends."""
+        me = weakref.ref(self)
+
+        def ended() -> None:
+            graph = me()
+            if graph is not None:
+                graph.in_backward_pass = False
+
+        self.in_backward_pass = True
+        _compat.at_backward_end(ended)
+
+    def memory(self) -> Dict[str, Any]:
+        """Bytes this graph holds: its pool reservation, its copied-in input buffers, its own outputs; and the
+        output arena it shares (once per arena in a total), with the bytes of it its outputs take."""
+        inputs = self.captured.static_inputs
+        nbytes = {storage_ptr(t): t.untyped_storage().nbytes() for t in inputs if isinstance(t, torch.Tensor)}
+        buffers = sum(nbytes[storage_ptr(t)] for t, k in zip(inputs, self.kinds) if k is OWNED)
+        outputs = {storage_ptr(t): t.untyped_storage().nbytes() for t in self.captured.static_outputs
+                   if isinstance(t, torch.Tensor) and storage_ptr(t) not in nbytes}
+        arena = self.arena
+        return {"pool_bytes": self.captured.pool_bytes, "static_input_bytes": buffers,
+                "static_output_bytes": sum(outputs.values()), "arena": arena.name if arena is not None else None,
+                "arena_bytes": arena.nbytes if arena is not None else 0,
+                "arena_output_bytes": sum(span_bytes(t) for t, k in zip(inputs, self.kinds) if k is ARENA)}
+
+    def owned_storages(self) -> List[Tuple[int, int, bool]]:
+        """Storages this graph owns: its copied-in input buffers and outputs not aliasing other inputs, as
+        (ptr, handle, reachable): reachable when an output lives in it (what a caller can reference)."""
+        inputs = self.captured.static_inputs
+        foreign = {storage_ptr(t) for t, k in zip(inputs, self.kinds) if k in (PARAM, BORROWED, IN_PLACE, ARENA)}
+        found: Dict[int, int] = {}
+        candidates = [t for t, k in zip(inputs, self.kinds) if k is OWNED] + list(self.captured.static_outputs)
+        for t in candidates:
+            if isinstance(t, torch.Tensor):
+                ptr, sid = _compat.storage_key(t)
+                if ptr and ptr not in foreign:
+                    found.setdefault(ptr, sid)
+        reachable = {storage_ptr(t) for t in self.captured.static_outputs if isinstance(t, torch.Tensor)}
+        return [(ptr, sid, ptr in reachable) for ptr, sid in found.items()]
+
+    def replay_plain(self, args: Sequence[Any]) -> List[Any]:
+        """replay(args, alias=True) for a `plain` graph with no output handed out as a copy, whose memory claim the
+        caller has just taken (MemoryClaim.take): the steady inference replay (runtime/local/runner.py) without the
+        branches it never takes."""
+        if self.copies:  # one dispatch (a caller passing our own buffer back copies it onto itself: a no-op)
+            _copy_all(self.copy_buffers, self._copy_sources(args))
+        static = self.captured.replay()  # held while an alias lives: use counts tell
+        outputs = [static[0].detach()] if len(static) == 1 else [out.detach() for out in static]
+        self.replays += 1  # counted in stats() by the caller when it brings its clocks up to date (add_replays)
+        return outputs
+
+    def replay(self, args: Sequence[Any], alias: bool, copies: Set[int] = frozenset()) -> List[Any]:
+        """Run the graph for `args`: outputs handed out as aliases (or, at positions in `copies`, as copies), or
+        as the static tensors themselves when not `alias` (a backward's grads that AccumulateGrad clones).
+        Every replay runs this: each step is one that a replay needs."""
+        grad = torch.is_grad_enabled()
+        if grad:  # copies into our buffers and the aliases handed out carry no autograd history
+            _compat.set_grad_enabled(False)
+        try:
+            if self.copies:  # one dispatch (a caller passing our own buffer back copies it onto itself: a no-op)
+                _copy_all(self.copy_buffers, self._copy_sources(args))
+            for i in self.expanded_copies:
+                copy_into(self.captured.static_inputs[i], args[i])
+            static = self.captured.replay()
+            for i in self.copy_back:
+                args[i].copy_(self.captured.static_inputs[i])
+            if self.arena is not None:
+                self.arena.replayed()
+            if alias and self.kind != "forward":  # held while an alias lives: its storage's use count tells
+                if self.all_tensors and not copies:  # the usual inference replay
+                    outputs = [out.detach() for out in static]
+                else:
+                    outputs = list(static)
+                    for j in self.tensor_outputs:
+                        outputs[j] = outputs[j].clone() if copies and j in copies else outputs[j].detach()
+                self.claim.replayed()
+            elif alias:  # the backward finds its forward instance, and which outputs it saved, by the aliases
+                outputs = list(static)
+                handed: List[Any] = [None] * len(outputs)
+                for j in self.tensor_outputs:
+                    if copies and j in copies:
+                        outputs[j] = outputs[j].clone()
+                        continue
+                    handed[j] = outputs[j] = out = outputs[j].detach()
+                    out._cgcompile_source = self
+                self.claim.hand_out(handed)
+            else:
+                outputs = list(static)
+                self.claim.replayed()
+                self._held_until_backward_ends()
+        finally:
+            if grad:
+                _compat.set_grad_enabled(True)
+        self.replays += 1
+        self.pending_backward = self.kind == "forward"
+        add_replays(1, self.replays > 1)
+        return outputs
+
+
+# --- capture ------------------------------------------------------------------------------------------------
+
+
+def capture_instance(family: Any, partition: str, label: str, kind: str, run: Callable[[list], Any], args: list,
+                     param_storages: frozenset, mutated: frozenset, key: int, runtime: Any, driver: Driver,
+                     names: Sequence[Optional[str]] = (), arenas: Optional[ArenaGroup] = None,
+                     layouts: Optional[List[OutputLayout]] = None, reserve: Optional[Dict[int, int]] = None,
+                     warmed_up: bool = False,
+                     moving: frozenset = frozenset()) -> GraphInstance:
+    """Capture `run` for `args` as a new instance and register it with `runtime` (the ModelRuntime): each
+    argument becomes a constant, a parameter or in-place input read where it is, a borrowed input or a copied-in
+    owned buffer. `names` (per argument, where known) say in a CaptureError which user value an argument is. With
+    `arenas` (a partition whose sizes vary) its fresh outputs go into an output arena of that group (arena.py);
+    `layouts` are its outputs' layouts when known (else one eager run finds them); `reserve`, bytes per output
+    position a new arena holds at least (the largest sizes seen or declared, so they need no larger one later). `warmed_up`: the caller ran the
+    graph eagerly on the driver's warmup stream already, so the driver needs no warmup run of its own. `moving`:
+    written inputs seen at other addresses before, copied in and back rather than read in place."""
+    lenders = runtime.lenders(args)
+    kinds: List[str] = []
+    inputs: List[Any] = []
+    for index, arg in enumerate(args):
+        if not isinstance(arg, torch.Tensor):
+            kinds.append(CONST)
+            inputs.append(arg)
+            continue
+        # Inputs read in place are held as detached aliases: the graph needs their memory, not their autograd
+        # history (holding a caller's tensor would keep its whole autograd graph alive).
+        ptr = storage_ptr(arg)
+        if ptr and ptr in param_storages:
+            kinds.append(PARAM)
+            inputs.append(arg.detach())
+        elif ptr and runtime.owner(arg) is not None:
+            kinds.append(BORROWED)
+            inputs.append(arg.detach())
+        elif index in mutated and index not in moving:
+            kinds.append(IN_PLACE)
+            inputs.append(arg.detach())
+        else:
+            kinds.append(OWNED)
+            inputs.append(static_buffer(arg, index, names[index] if index < len(names) else None))
+    arena = None
+    if arenas is not None:
+        if layouts is None:
+            layouts = _probe_layouts(run, inputs, runtime.device, mutated)
+        arena = arenas.place(family, layouts, runtime.device, reserve or {})
+    fn, before = run, {}
+    if arena is not None:  # its views become static inputs after the arguments; the graph copies into them
+        before = arena.claim.use_counts()
+        placed = arena.views(layouts)
+        fn = writing_into(run, [j for j, _ in placed], len(inputs))
+        kinds += [ARENA] * len(placed)
+        inputs += [view for _, view in placed]
+        del placed
+    start = time.perf_counter()
+    captured = driver.capture(fn, inputs, runtime.pool(), warmup=not warmed_up, written=sorted(mutated))
+    seconds = time.perf_counter() - start
+    graph = GraphInstance(family, partition, label, kind, captured, kinds, param_storages, seconds, key, mutated)
+    graph.arena = arena
+    del inputs, captured
+    runtime.register(graph, lenders, arena)
+    if arena is not None:
+        arena.join(family, graph, before)
+    return graph
+
+
+def _probe_layouts(run: Callable[[list], Any], inputs: List[Any], device: torch.device,
+                   written: frozenset) -> List[OutputLayout]:
+    """Run the graph once eagerly to learn its outputs' layouts (an arena is sized before capture), leaving
+    random generators and the inputs it writes as they were."""
+    undo = WriteUndo([inputs[i] for i in written])
+    with preserved_global_state(rng=True), torch.no_grad(), undo:
+        outputs = list(run(list(inputs)))
+    layouts = output_layouts(outputs, inputs, device)
+    del outputs
+    undo.restore()
+    return layouts
+
+
+# --- static input buffers, written inputs --------------------------------------------------------------------
+
+
+def static_buffer(t: torch.Tensor, index: int, name: Optional[str] = None) -> torch.Tensor:
+    """A copy of t with t's exact layout (expanded, strided, offset or empty), owned by a graph."""
+    reason = uncopyable_reason(t)
+    if reason is not None:
+        raise CaptureError(f"{name or f'input {index}'} cannot be copied into a static buffer: {reason}")
+    with torch.no_grad():
+        return static_copy(t)
