@@ -12,73 +12,32 @@ import re
 import threading
 from typing import Any, Callable, List, Optional, Sequence
 
-import torch
 import torch.fx as fx
 
-from .rewrites.checkpoint_inline import inline_checkpoints_around_islands
-from .config import CudaGraphConfig, CudaGraphImpl, InferenceCudaGraphScope
+from .config import CudaGraphConfig, CudaGraphImpl
 from .diagnostics import full_iteration_error, log_graph_plan
 from .errors import ConfigError
 from .frame_root import anchor_module_stacks, frame_module, frame_root
 from .logs import register_with_torch_logs
-from .rewrites.padding import pad_dynamic_rows
 from .passes import input_description, is_static_placeholder, node_location
 from .passes.common import frame_name
-from .passes.batch_rows import batch_boundary, batch_padding_blocker, batch_symbol
 from .runtime.frame.capture_sizes import BatchPadding
-from .runtime.drivers.select import device_of
-from .passes.fsdp import resharded_inputs
+from .devices import device_of
+from .frame_plan import make_plan
 from .runtime.frame.fsdp import keeper_for
 from .runtime.local.model_runtime import ModelRuntime
 from .runtime.local.compile import compile_partition
 from .runtime.release import release
 from .runtime.frame.te import TEFrame, resolve_graphing_fn
 from .runtime.frame.verify import VerifiedPartition
-from .plan import BLOCK_SCOPE, LAYER_SCOPE, OFF_SCOPE, GraphPlan
-from .planner import plan_graph
+from .plan import GraphPlan
 from .scope import LayerScope, ScopedFrame, scope_config
-from .rewrites.scalar_reads import hoist_scalar_input_reads
 from .split import copy_graph_module, replace_submodule, split
 
 register_with_torch_logs()
 
 _graph_counter = itertools.count()
 _listeners = threading.local()
-
-
-def scope_for(config: CudaGraphConfig, training: bool) -> Optional[str]:
-    """Which planning scope applies; None when this kind of graph is not captured at all."""
-    if config.cuda_graph_impl == CudaGraphImpl.FULL_ITERATION:
-        return BLOCK_SCOPE
-    if training:
-        return LAYER_SCOPE
-    inference = config.inference_cuda_graph_scope
-    if inference == InferenceCudaGraphScope.BLOCK:
-        return BLOCK_SCOPE
-    if inference == InferenceCudaGraphScope.LAYER:
-        return LAYER_SCOPE
-    return None
-
-
-def make_plan(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGraphConfig, index: int, *,
-              validate_tags: bool = True) -> GraphPlan:
-    """Plan one Dynamo graph for the current grad mode (hoisting scalar-input reads first, see split.py)."""
-    training = torch.is_grad_enabled()
-    scope = scope_for(config, training)
-    inline_checkpoints_around_islands(gm)
-    hoist_scalar_input_reads(gm)
-    pad_dynamic_rows(gm, config)
-    graph_plan = plan_graph(gm, config, index, training=training, device=device_of(example_inputs).type,
-                            scope=scope or OFF_SCOPE, validate_tags=validate_tags,
-                            input_findings=resharded_inputs(gm, example_inputs, config.fsdp_keep_unsharded))
-    if config.capture_sizes:
-        sym = batch_symbol(gm)
-        if sym is not None:
-            graph_plan.batch_symbol = str(sym)
-            graph_plan.batch_padding_refused = batch_padding_blocker(gm, sym)
-            if graph_plan.batch_padding_refused is None:
-                graph_plan.batch_boundary = batch_boundary(gm, sym)
-    return graph_plan
 
 
 class _PlanListener:

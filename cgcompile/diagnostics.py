@@ -100,9 +100,14 @@ _REDISTRIBUTION_COLUMNS = ("id", "kind", "collective", "placements", "module", "
 
 def capture_sizes_line(graph: GraphPlan, config) -> str:
     """What capture_sizes does to this graph ('' when the option is off or the batch is static)."""
+    sizes = ", ".join(map(str, config.capture_sizes))
+    if graph.static_batch_of_one:
+        return (f"capture_sizes [{sizes}]: not applied: this frame has a static batch of 1 (Dynamo traces sizes 0 "
+                f"and 1 as frames of their own), so it captures graphs of its own; to serve a batch of 1 from the "
+                f"smallest size, pad it to {min(config.capture_sizes)} rows before the call "
+                f"(docs/guides/serving.md)")
     if graph.batch_symbol is None:
         return ""
-    sizes = ", ".join(map(str, config.capture_sizes))
     refused = graph.batch_padding_refused
     if refused is None:
         return (f"capture_sizes [{sizes}]: batch {graph.batch_symbol} is padded to the next size, outputs sliced "
@@ -146,6 +151,8 @@ def log_graph_plan(graph: GraphPlan, config) -> None:
                  f"\n{redistributions}" if redistributions else "")
     if graph.batch_padding_refused is not None:
         log.warning("cgcompile: graph %d: %s", graph.index, capture_sizes_line(graph, config))
+    elif graph.static_batch_of_one:
+        log.info("cgcompile: graph %d: %s", graph.index, capture_sizes_line(graph, config))
     if log.isEnabledFor(logging.DEBUG):
         for node, findings in graph.findings.items():
             for f in findings:

@@ -13,7 +13,7 @@ from typing import Any, List, Optional
 import torch
 
 from . import _compat
-from .backend import make_plan
+from .frame_plan import make_plan
 from .config import CudaGraphConfig
 from .diagnostics import format_plan
 from .frame_root import anchor_module_stacks, frame_root

@@ -65,6 +65,9 @@ class GraphPlan:
     batch_padding_refused: Optional[Finding] = None
     # where the batch sits at the frame's boundary, when capture_sizes pads it (passes/batch_rows.py)
     batch_boundary: Optional[BatchBoundary] = None
+    # capture_sizes on, and the frame's first non-parameter tensor input has a static batch of 1: Dynamo traced a
+    # batch of 1 as a frame of its own (it specializes sizes 0 and 1), which padding cannot reach
+    static_batch_of_one: bool = False
 
     @property
     def node_to_partition(self) -> Dict[str, int]:

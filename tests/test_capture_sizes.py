@@ -169,3 +169,23 @@ output flatten has a dimension mixing the batch sN with another size (return the
             plan = cgcompile.explain(model, token, torch.tensor([6]), options=dict(OPTIONS, capture_sizes=[2, 4, 8]))
         self.assertExpectedInline(last_line(plan), """\
 capture_sizes [2, 4, 8]: batch sN is padded to the next size, outputs sliced back; larger batches run eagerly""")
+
+
+class TestBatchOfOne(expecttest.TestCase):
+    def test_a_batch_of_one_is_its_own_frame_and_its_plan_says_how_to_pad_it(self):
+        """Dynamo traces a batch of 1 as a static frame of its own: capture_sizes cannot pad it, so it captures its
+        own graphs (4 for 3 declared sizes); the frame's plan says so and how to serve it from the smallest size."""
+        from cgcompile.diagnostics import capture_sizes_line
+
+        model, reference = prefilled_twins()
+        config = dict(OPTIONS, capture_sizes=[2, 4, 8])
+        compiled = torch.compile(model, backend="cudagraph_modules", dynamic=True, options=config)
+        cgcompile.reset_stats()
+        with record_plans() as rec:
+            decode(compiled, model, reference, [3, 3, 3, 2, 2, 2, 1, 1, 1])
+        padded, single = rec.graphs
+        assert padded.batch_symbol is not None and not padded.static_batch_of_one
+        assert single.batch_symbol is None and single.static_batch_of_one
+        assert cgcompile.stats()["graphs_captured"] == 3  # sizes 4 and 2 padded, the batch of 1 its own
+        self.assertExpectedInline(capture_sizes_line(single, cgcompile.CudaGraphConfig.from_options(config)), """\
+capture_sizes [2, 4, 8]: not applied: this frame has a static batch of 1 (Dynamo traces sizes 0 and 1 as frames of their own), so it captures graphs of its own; to serve a batch of 1 from the smallest size, pad it to 2 rows before the call (docs/guides/serving.md)""")

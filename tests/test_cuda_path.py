@@ -7,10 +7,12 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from cgcompile.backend import compile_frame, make_plan
+from cgcompile.backend import compile_frame
+from cgcompile.frame_plan import make_plan
 from cgcompile.config import CudaGraphConfig
 from cgcompile.runtime.drivers.cuda import CudaDriver
-from cgcompile.runtime.drivers.select import captures_on, device_of
+from cgcompile.devices import device_of
+from cgcompile.runtime.drivers.select import captures_on
 from cgcompile.runtime.local.model_runtime import ModelRuntime
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)

@@ -206,7 +206,7 @@ def test_data_dependent_repeat_interleave_stays_eager():
 
 
 def test_every_partition_leaves_grad_mode_as_it_found_it(scalar_outputs):
-    from cgcompile.backend import make_plan
+    from cgcompile.frame_plan import make_plan
     from cgcompile.config import CudaGraphConfig
     from cgcompile.split import split
     from cgcompile.passes.state_switches import grad_mode_after

@@ -187,11 +187,12 @@ def test_drivers_know_nothing_of_partitions_and_the_bank_touches_no_device():
 
 
 def test_nothing_below_the_runtime_imports_it():
-    """Planning (passes, rewrites, planner, plan, config) is pure: it never imports the runtime, and counters (which
-    the runtime writes) import nothing of it either."""
+    """Planning (passes, rewrites, planner, plan, config, frame_plan) is pure: it never imports the runtime, and
+    counters (which the runtime writes) import nothing of it either."""
     edges = graph()
     pure = [n for n in MODULES if n.startswith(("cgcompile.passes", "cgcompile.rewrites"))] + [
-        "cgcompile.planner", "cgcompile.plan", "cgcompile.config", "cgcompile.counters"]
+        "cgcompile.planner", "cgcompile.plan", "cgcompile.config", "cgcompile.counters", "cgcompile.frame_plan",
+        "cgcompile.devices"]
     assert {n: sorted(t for t in edges[n] if t.startswith("cgcompile.runtime")) for n in pure} == {n: [] for n in pure}
 
 
@@ -213,3 +214,35 @@ def test_passes_read_the_graph_and_never_change_it():
                 if "graph" in receiver or "node" in receiver or receiver in ("gm", "n", "user"):
                     found.append(f"{name}: {receiver}.{node.func.attr}")
     assert found == []
+
+
+def reachable(edges: Dict[str, Set[str]], start: str) -> Set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for target in edges.get(todo.pop(), ()):
+            if target not in seen and target in MODULES:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_explain_plans_without_the_backend_or_the_partition_runtime():
+    """explain() runs the planning the backend runs (frame_plan.make_plan), not the backend: of the runtime it
+    reaches only the thread-state helpers it restores the model's RNG with."""
+    found = reachable(graph(), "cgcompile.explain")
+    assert "cgcompile.backend" not in found
+    assert sorted(n for n in found if n.startswith("cgcompile.runtime")) == ["cgcompile.runtime.drivers.thread_state"]
+
+
+def test_no_file_over_500_lines_and_no_runtime_class_over_260():
+    """Files are split before they grow past ~500 lines; a runtime class past ~250 lines does too many jobs."""
+    long_files = {name: text.count("\n") for name, text in ((n, p.read_text()) for n, p in MODULES.items())
+                  if text.count("\n") > 500}
+    assert long_files == {}
+    big = {}
+    for name, path in MODULES.items():
+        if name.startswith("cgcompile.runtime"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno >= 260:
+                    big[f"{name}.{node.name}"] = node.end_lineno - node.lineno + 1
+    assert big == {}

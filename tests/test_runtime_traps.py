@@ -128,7 +128,7 @@ def grads(model):
 
 def is_static(runtimes, t):
     """Does t live in memory a captured graph of one of these runtimes owns?"""
-    return any(rt.owns(t) for rt in runtimes)
+    return any(rt.memory.owns(t) for rt in runtimes)
 
 
 @pytest.fixture(autouse=True)

@@ -80,12 +80,14 @@ def test_a_steady_decode_step_replays_each_partition_through_the_short_path(scop
     assert steady == len(calls) == 4 * partitions  # every partition call replayed a graph captured earlier
     # what a replay runs in Python: the call, the memory claim, the pool rule, the replay, the pool rule's note;
     # the pool rule also finds the graphs after it free once a step (the previous step's layers: held); the
-    # replays are counted on the bank policy's clocks and in stats() in a batch (_settle), at a record's first
+    # replays are counted on the bank policy's clocks and in stats() in a batch (_catch_up), at a record's first
     # replay and when the policy is due: a sweep of a layer's graphs once per RELEASE_WINDOW of its calls
-    core = ["__call__", "take", "pool_blocker", "replay_plain", "note_replay"]  # (take: _referenced unless the
+    # (replay_blocker is the one rule the full path calls too)
+    core = ["__call__", "replay_blocker", "take", "pool_blocker", "replay_plain", "mark_in_flight"]  # (take:
+    # _referenced unless the
     # pool rule found the graph free already)
-    settle = {"_settle", "_fold", "add_replays", "after_call", "_sweep", "cycle", "_graphs_of", "is_stale",
-              "release_graphs"}
+    settle = {"_catch_up", "_count", "add_replays", "steady_replays", "size_seen", "after_call", "sweep",
+              "cycle", "is_stale", "release"}
     for names in calls:
         remaining = iter(names)
         assert all(name in remaining for name in core), names  # in this order, others between them
@@ -93,7 +95,7 @@ def test_a_steady_decode_step_replays_each_partition_through_the_short_path(scop
         assert names.count("replay_plain") == names.count("take") == 1, names
     held_checks = sum(name == "held" for names in calls for name in names)
     assert held_checks <= 2 * len(calls)  # graph.held and its claim's, at most once per graph and step
-    settles = sum(name == "_settle" for names in calls for name in names)
+    settles = sum(name == "_catch_up" for names in calls for name in names)
     assert settles <= partitions + len(calls) // 8, settles  # each record's first, then once per window at most
     assert sum(name == "after_call" for names in calls for name in names) <= len(calls) // 8
 
@@ -157,8 +159,8 @@ def test_outputs_a_caller_keeps_are_handed_out_as_copies_by_the_steady_path():
     (graph,) = cgcompile.stats()["graphs"]
     assert graph["steady_replays"] == len(kept) - 4  # all but the three warmup calls and the capture call
     (names,) = calls
-    assert names == ["__call__", "take", "_referenced", "pool_blocker", "replay", "replayed", "add_replays",
-                     "note_replay"], names
+    assert names == ["__call__", "replay_blocker", "take", "_referenced", "pool_blocker", "replay", "replayed",
+                     "add_replays", "mark_in_flight"], names
 
 
 def test_a_parameter_moved_between_steady_replays_is_captured_again():
@@ -197,7 +199,7 @@ def test_after_release_the_steady_path_warms_up_and_captures_again():
 
 
 def test_stats_count_every_steady_replay_whenever_they_are_read():
-    """Steady replays are put on the bank policy's clocks and in stats() in batches (PartitionRunner._settle):
+    """Steady replays are put on the bank policy's clocks and in stats() in batches (PartitionRunner._catch_up):
     stats() and reset_stats() read between two batches see each replay counted once, and nothing left over."""
     model, reference, step = decode("block")
     (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
@@ -238,17 +240,17 @@ def test_steady_replays_not_yet_counted_still_count_when_the_graphs_go(end):
 def _sweeps(read_stats_every_step: bool, monkeypatch) -> list:
     """Each parameter set's clock at every sweep of its graphs (the bank policy's release pass) over 40 decode
     steps after warmup and capture."""
-    from cgcompile.runtime.local import runner as partition_runner
+    from cgcompile.runtime.local.releaser import GraphReleaser
 
     seen = []
-    real = partition_runner.PartitionRunner._sweep
+    real = GraphReleaser.sweep
 
-    def sweep(self, key, state):
-        seen.append(state.calls)
-        return real(self, key, state)
+    def sweep(self, param_set):
+        seen.append(self.ledger.param_sets[param_set].calls)
+        return real(self, param_set)
 
     with monkeypatch.context() as patch:
-        patch.setattr(partition_runner.PartitionRunner, "_sweep", sweep)
+        patch.setattr(GraphReleaser, "sweep", sweep)
         model, reference, step = decode("block")
         (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
         run(step, model, reference, prompt, 6)
@@ -277,7 +279,7 @@ def cgcompile_runtimes() -> list:
 def test_reading_stats_counts_pending_replays_without_running_the_bank_policy(monkeypatch):
     """stats() may be read from another thread than the one replaying: what it brings up to date is counts, and the
     bank policy (sweeps, judgements, releases) runs only at replays."""
-    from cgcompile.runtime.local import runner as partition_runner
+    from cgcompile.runtime.local.releaser import GraphReleaser
 
     model, reference, step = decode("block")
     (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
@@ -288,8 +290,7 @@ def test_reading_stats_counts_pending_replays_without_running_the_bank_policy(mo
     for _ in range(4):
         run(step, model, reference, prompt, 8)  # 32 replays pending: past the next sweep (RELEASE_WINDOW = 16)
     policy_runs = []
-    monkeypatch.setattr(partition_runner.PartitionRunner, "after_call",
-                        lambda self, key: policy_runs.append(key))
+    monkeypatch.setattr(GraphReleaser, "after_call", lambda self, key: policy_runs.append(key))
     before = cgcompile.stats()["steady_replays"]
     cgcompile.reset_stats()
     assert before >= 32 and policy_runs == []

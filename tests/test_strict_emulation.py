@@ -279,10 +279,10 @@ def test_the_pool_rule_is_what_keeps_accumulation_exact(pool_rule, monkeypatch):
     emulated pools: without it, the first partition's replay in the second forward overwrites the saved tensors
     of the second partition's first call, and its backward would read garbage (without emulated pools, the
     broken rule goes unnoticed: checked when this test was written)."""
-    from cgcompile.runtime.local.model_runtime import ModelRuntime
+    from cgcompile.runtime.memory.registry import MemoryRegistry
 
     if not pool_rule:
-        monkeypatch.setattr(ModelRuntime, "pool_allows", lambda self, graph: True)
+        monkeypatch.setattr(MemoryRegistry, "pool_blocker", lambda self, graph: None)
     torch.manual_seed(0)
     model, reference = _Pair(), _Pair()
     reference.load_state_dict(model.state_dict())

@@ -48,6 +48,18 @@ def batch_symbol(gm: fx.GraphModule) -> Optional[sympy.Symbol]:
     return None
 
 
+def first_batch(gm: fx.GraphModule) -> Optional[int]:
+    """Dim 0 of the first user tensor input with dims when it is a plain number (a static batch), else None."""
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or is_static_placeholder(node):
+            continue
+        value = example_value(node)
+        if isinstance(value, torch.Tensor) and value.dim():
+            size = value.shape[0]
+            return size if isinstance(size, int) else None
+    return None
+
+
 def _plain_dims(value: Any, sym: Any) -> Optional[Tuple[int, ...]]:
     """Dims of a tensor (or the int itself: ()) whose size is exactly sym; None when sym is tangled in another."""
     if isinstance(value, torch.SymInt):

@@ -2,7 +2,7 @@
 
 Introspection (read-only, for tests and tools): `live_runtimes()` lists the ModelRuntimes alive now;
 `ModelRuntime.live_graphs()` its captured graphs (GraphInstance: `partition`, `kind`, `captured.static_inputs`,
-`copies`, `replays`), `ModelRuntime.runners()` its PartitionRunners (`name`, `bank_size()`).
+`copied_inputs`, `replays`), `ModelRuntime.runners()` its PartitionRunners (`name`, `bank_size()`).
 """
 
 from .drivers.base import CaptureError, CapturedGraph, Driver, StaleReplayError, is_capturing

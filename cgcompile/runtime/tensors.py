@@ -99,6 +99,20 @@ def is_param_or_buffer(arg: Any) -> bool:
         isinstance(arg, torch.Tensor) and hasattr(arg, "_dynamo_static_input_type"))
 
 
+def registered_parameter(arg: Any) -> bool:
+    """A parameter object as a module registers it: of a Parameter type, or a tensor subclass made a parameter
+    (nn.Parameter(DTensor) keeps the DTensor type and flags it). A plain tensor merely flagged `_is_param` passes
+    isinstance(x, nn.Parameter) but is no registered object (DTensor.to_local() of a parameter: new every call)."""
+    return issubclass(type(arg), torch.nn.Parameter) or (
+        _compat.is_wrapper_subclass(arg) and getattr(arg, "_is_param", False))
+
+
+def flagged_parameter(arg: Any) -> bool:
+    """A tensor flagged `_is_param` (so isinstance(x, nn.Parameter) holds) that is no registered parameter object:
+    e.g. DTensor.to_local() of an FSDP2 parameter, a fresh object on every call."""
+    return getattr(arg, "_is_param", False) and not registered_parameter(arg)
+
+
 def storage_ptr(t: torch.Tensor) -> int:
     """The address of t's storage (0 for a storage without memory): the key of the memory registry."""
     return _compat.storage_key(t)[0]

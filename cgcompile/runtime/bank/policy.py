@@ -20,7 +20,11 @@ The rules (thresholds chosen by measurement, docs/graph-bank.md), in rounds of t
   per parameter set, at least half of the sizes so judged: the partition stops capturing new sizes; the graphs
   it has keep replaying;
 - stop on a re-capture storm: a graph re-captured `STORM_STREAK` times in a row (static input moved) with no
-  replay in between: the partition runs eagerly from then on.
+  replay in between: the partition runs eagerly from then on;
+- stop on a warmup that never ends: `WARMUP_BUDGET` x `cuda_graph_warmup_steps` parameter sets (at least
+  `WARMUP_BUDGET`) came and went (their identity freed) before any graph of the partition was captured: its
+  parameter set is known by a per-call object, so every call would start a new warmup; the partition runs
+  eagerly from then on, with the reason in stats()["eager_fallbacks"] (never "planned capture" in silence).
 """
 
 from __future__ import annotations
@@ -29,12 +33,13 @@ import dataclasses
 from typing import Any, Dict, Optional
 
 __all__ = ["JUDGE_AFTER", "RELEASE_WINDOW", "STORM_STREAK", "WASTED_TO_STOP", "BankCounters", "cycle", "is_judged",
-           "is_stale", "mostly_wasted", "recapture_streak", "stop_message", "storm"]
+           "is_stale", "mostly_wasted", "never_warm", "recapture_streak", "stop_message", "storm", "WARMUP_BUDGET"]
 
 RELEASE_WINDOW = 16
 JUDGE_AFTER = 4
 WASTED_TO_STOP = 6
 STORM_STREAK = 3
+WARMUP_BUDGET = 4
 
 
 @dataclasses.dataclass
@@ -104,6 +109,11 @@ def recapture_streak(previous_streak: int, replays: int) -> int:
 def storm(streak: int, storm_streak: int = STORM_STREAK) -> bool:
     """Is this re-capture part of a storm (the graph re-captured on every use)?"""
     return streak >= storm_streak
+
+
+def never_warm(sets_gone: int, warmup_steps: int, budget: int = WARMUP_BUDGET) -> bool:
+    """Have enough parameter sets come and gone without a capture to say the partition's warmup never ends?"""
+    return sets_gone >= budget * max(1, warmup_steps)
 
 
 def cycle(graphs: int, sizes: int) -> int:

@@ -2,7 +2,7 @@
 
 `driver.capture(fn, static_inputs, pool)` runs `fn(list_of_inputs) -> list_of_outputs` so that later
 `graph.replay()` re-executes it reading `static_inputs` and writing the *same* output tensor objects it
-returned at capture (`graph.static_outputs`). The runtime (runtime/local/runner.py, runtime/local/family.py, graph.py,
+returned at capture (`graph.static_outputs`). The runtime (runtime/local/runner.py, runtime/local/family.py, runtime/local/instance.py,
 runtime/local/model_runtime.py) owns all buffer logic: what to copy in, what to hand out, when a graph may be replayed.
 Drivers only capture and replay. The implementations: runtime/drivers/cuda.py (real CUDA graphs), runtime/drivers/emulate.py
 (the CPU stand-in that enforces the CUDA-graph contract), drivers.py (the eager driver and `get_driver`).

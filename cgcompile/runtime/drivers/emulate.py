@@ -32,7 +32,6 @@ eager call would have (the same numbers, in the same order).
 
 from __future__ import annotations
 
-import bisect
 import math
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
@@ -41,9 +40,10 @@ import torch
 
 from ... import _compat
 from .capture_guard import capture_guard
+from .emulated_pool import EmulatedPool, poison
 from .base import CaptureError, CapturedGraph, Driver, Fn, StaleReplayError, emulating
 from .thread_state import preserved_global_state
-from ..tensors import broadcast_core, copy_into
+from ..tensors import copy_into
 from .user_frames import user_location
 from .write_undo import WriteUndo
 
@@ -51,23 +51,6 @@ __all__ = ["REPLAY_RANGE", "EmulateDriver", "EmulatedGraph"]
 
 # profiler range around an emulated replay: the ops inside stand for one graph launch (see cgcompile/profiling.py)
 REPLAY_RANGE = "cgcompile::graph_replay"
-
-
-def _poison(tensors: Sequence[Any]) -> None:
-    """Fill tensors with garbage: what memory holds after a capture (which runs no kernel) or after another
-    graph's replay scribbled over it."""
-    with torch.no_grad():
-        for out in tensors:
-            out = broadcast_core(out)  # an expanded output: each element once
-            if out.is_floating_point() or out.is_complex():
-                out.fill_(float("nan"))
-            elif out.dtype == torch.bool:
-                out.fill_(True)
-            else:
-                try:
-                    out.fill_(torch.iinfo(out.dtype).max)
-                except (TypeError, RuntimeError):  # exotic dtypes: leave as computed
-                    pass
 
 
 def _fresh_outputs(outputs: Sequence[Any], inputs: Sequence[Any]) -> List[torch.Tensor]:
@@ -114,7 +97,7 @@ def _recorded(func: Any) -> bool:
     return getattr(func, "namespace", None) != "profiler"
 
 
-class _Recorder(_compat.TorchDispatchMode):
+class _OpRecorder(_compat.TorchDispatchMode):
     """Records each op fn runs during capture: (op, its arguments with every tensor replaced by which storage it
     is). External storages (neither a static input nor allocated by fn) still alive when fn returned are the
     ones a graph reads in place forever; they are kept alive, as a CUDA graph needs their address to stay."""
@@ -168,7 +151,7 @@ class _Recorder(_compat.TorchDispatchMode):
 
 
 class OpRecord:
-    """What a capture recorded (see _Recorder); `check()` gives the mode a replay runs under."""
+    """What a capture recorded (see _OpRecorder); `check()` gives the mode a replay runs under."""
 
     def __init__(self, ops: List[Tuple[Any, list]], static_ptrs: Set[int], external: Dict[int, torch.Tensor]):
         self.ops = ops
@@ -227,31 +210,6 @@ class _Checker(_compat.TorchDispatchMode):
             f"Pass a value that changes as a tensor (e.g. lr=torch.tensor(...)), or keep it fixed.")
 
 
-# --- memory pools ----------------------------------------------------------------------------------------------
-
-
-class _Pool:
-    """The graphs captured into one pool, in capture order, and which of them hold valid outputs now."""
-
-    def __init__(self) -> None:
-        self.graphs: List[weakref.ref] = []
-        self.valid: List[int] = []  # sorted capture positions of graphs replayed since last overwritten
-
-    def add(self, graph: "EmulatedGraph") -> int:
-        self.graphs.append(weakref.ref(graph))
-        return len(self.graphs) - 1
-
-    def replayed(self, position: int) -> None:
-        """The graph at `position` ran: its temporaries overwrote every later graph's memory."""
-        valid = self.valid
-        while valid and valid[-1] > position:
-            graph = self.graphs[valid.pop()]()
-            if graph is not None:
-                _poison(graph.pool_memory)
-        if not valid or valid[-1] != position:
-            bisect.insort(valid, position)
-
-
 def _versioned(values: Sequence[Any]) -> List[torch.Tensor]:
     """The tensors among `values` that have a version counter (an inference tensor, made under inference_mode, has
     none)."""
@@ -266,7 +224,7 @@ class EmulatedGraph(CapturedGraph):
     checked against the capture's op record, and overwrites the memory of later graphs of its pool."""
 
     def __init__(self, fn: Fn, static_inputs: Sequence[Any], static_outputs: Sequence[Any], record: OpRecord,
-                 pool: Optional[_Pool], written: Sequence[torch.Tensor] = ()):
+                 pool: Optional[EmulatedPool], written: Sequence[torch.Tensor] = ()):
         super().__init__(static_inputs, static_outputs)
         self.fn = fn
         # the inputs it writes with a version counter (shared with the caller's tensors): it comes out unchanged
@@ -305,7 +263,7 @@ class EmulateDriver(Driver):
     def __init__(self) -> None:
         super().__init__()
         self._recording: set = set()  # pools a failed capture left "recording", as torch's allocators do
-        self._pools: Dict[Any, _Pool] = {}
+        self._pools: Dict[Any, EmulatedPool] = {}
 
     def new_pool(self) -> Any:
         return object()
@@ -323,7 +281,7 @@ class EmulateDriver(Driver):
         undo = WriteUndo([static_inputs[i] for i in written])
         changed = _versioned([static_inputs[i] for i in written])
         versions = [t._version for t in changed]
-        recorder = _Recorder({_compat.storage_key(t)[0] for t in static_inputs if isinstance(t, torch.Tensor)})
+        recorder = _OpRecorder({_compat.storage_key(t)[0] for t in static_inputs if isinstance(t, torch.Tensor)})
         try:
             # A real capture runs nothing: no write (undo), no random draw and no state change may survive it.
             with preserved_global_state(rng=True), emulating(), capture_guard(), undo, recorder, torch.no_grad():
@@ -340,6 +298,6 @@ class EmulateDriver(Driver):
             if changed:
                 _compat.set_versions(changed, versions)
         graph = EmulatedGraph(fn, static_inputs, outputs, recorder.finish(outputs),
-                              self._pools.setdefault(pool, _Pool()) if pool is not None else None, changed)
-        _poison(graph.pool_memory)
+                              self._pools.setdefault(pool, EmulatedPool()) if pool is not None else None, changed)
+        poison(graph.pool_memory)
         return graph

@@ -1,9 +1,8 @@
-"""Choosing a driver: `get_driver` for option `driver`, the device a frame runs on (`device_of`) and which of its
-partitions that device's driver can capture (`captures_on`), and the eager driver (no capture at all)."""
+"""Choosing a driver: `get_driver` for option `driver`, which partitions of a frame the device's driver can capture
+(`captures_on`; the frame's device is cgcompile/devices.py's `device_of`), and the eager driver (no capture)."""
 
 from __future__ import annotations
 
-import collections
 from typing import Any, Sequence
 
 import torch
@@ -12,7 +11,7 @@ from .cuda import CudaDriver
 from .base import Driver
 from .emulate import EmulateDriver
 
-__all__ = ["EagerDriver", "captures_on", "device_of", "get_driver"]
+__all__ = ["EagerDriver", "captures_on", "get_driver"]
 
 
 class EagerDriver(Driver):
@@ -40,17 +39,6 @@ def get_driver(name: str, device: Any) -> Driver:
     if name == "eager":
         return EagerDriver()
     raise ValueError(f"unknown driver {name!r}: expected auto, cuda, emulate or eager")
-
-
-def device_of(values: Sequence[Any]) -> torch.device:
-    """The device a frame runs on, with its index: the accelerator device holding most of its tensor inputs (the
-    parameters decide), the first of those on a tie; cpu when none is on an accelerator.
-
-    The index matters: a model on cuda:1 while the current device is 0 (torchrun without set_device,
-    `model.to("cuda:1")`, a device_map) must get its streams, pools and captures on cuda:1.
-    """
-    counts = collections.Counter(t.device for t in values if isinstance(t, torch.Tensor) and t.device.type != "cpu")
-    return max(counts, key=counts.__getitem__) if counts else torch.device("cpu")
 
 
 def captures_on(device: torch.device, values: Sequence[Any]) -> bool:

@@ -110,7 +110,7 @@ def _sample(arg: Any) -> Any:
     return arg.detach().clone().requires_grad_(arg.requires_grad)
 
 
-class _Recorder(torch.nn.Module):
+class _SampleRecorder(torch.nn.Module):
     """Runs a partition eagerly and keeps the arguments of its latest call as graphing samples."""
 
     def __init__(self, submod: fx.GraphModule):
@@ -192,7 +192,7 @@ class TEFrame:
         # calls, graphed, and the parameter sets seen (see _static_key) and graphed: set by release()
         self.calls, self.graphed, self.graphed_key = 0, False, None
         self.static_keys: set = set()
-        self.recorders = [_Recorder(getattr(split_gm, name)) for name in self.names]
+        self.recorders = [_SampleRecorder(getattr(split_gm, name)) for name in self.names]
         self.release()
         register(self)
 
@@ -262,7 +262,7 @@ class TEFrame:
         counters.add("graphs_captured", 2 * len(callables))
         log.info("cgcompile: transformer_engine graphed %d partitions", len(callables))
 
-    def _fall_back(self, recorders: List[_Recorder], reason: str) -> None:
+    def _fall_back(self, recorders: List[_SampleRecorder], reason: str) -> None:
         """Run the partitions eagerly for good: log once, count per partition."""
         for name, rec in zip(self.names, recorders):
             replace_submodule(self.split_gm, name, rec.submod)

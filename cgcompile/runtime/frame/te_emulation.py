@@ -29,41 +29,12 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from ... import _compat
+from ..drivers.emulated_pool import EmulatedPool, PoolSlot, poison
 
 __all__ = ["emulated_make_graphed_callables"]
 
 AUTOCAST_CACHE_MESSAGE = ("make_graphed_callables does not support the autocast caching. Please set "
                           "`cache_enabled=False`.")  # torch's own message (2.11, 2.13)
-
-
-def _poison(tensors: Sequence[Optional[torch.Tensor]]) -> None:
-    """What a buffer holds after a capture (which runs no kernel) or after another graph's replay wrote over it."""
-    with torch.no_grad():
-        for t in tensors:
-            if t is None or t.numel() == 0:
-                continue
-            if t.is_floating_point() or t.is_complex():
-                t.fill_(float("nan"))
-            elif t.dtype == torch.bool:
-                t.fill_(True)
-            else:
-                t.fill_(torch.iinfo(t.dtype).max)
-
-
-class _Pool:
-    """The graphs of one make_graphed_callables call in capture order; a replay overwrites the memory of every
-    graph captured after it (see runtime/drivers/emulate.py's pool model, which the same reasoning gives)."""
-
-    def __init__(self) -> None:
-        self.memory: List[List[Optional[torch.Tensor]]] = []
-
-    def add(self, memory: List[Optional[torch.Tensor]]) -> int:
-        self.memory.append(memory)
-        return len(self.memory) - 1
-
-    def replayed(self, position: int) -> None:
-        for later in self.memory[position + 1:]:
-            _poison(later)
 
 
 class _Instance:
@@ -84,6 +55,7 @@ class _Instance:
                                for o in outputs]
         self.fwd_position = -1
         self.bwd_position = -1
+        self.slots: List[PoolSlot] = []  # its memory in the pool, forward then backward
         self.latest: List[torch.Tensor] = []
         self.static_grad_outputs: List[Optional[torch.Tensor]] = []
         self.static_grad_inputs: List[Optional[torch.Tensor]] = []
@@ -105,10 +77,10 @@ class _Instance:
         found = iter(grads)
         self.static_grad_inputs = [None if not (s.requires_grad and wanted) else _empty_like(next(found))
                                    for s in self.surface]
-        _poison(self.static_outputs)
-        _poison(self.static_grad_inputs)
+        poison(self.static_outputs)
+        poison(self.static_grad_inputs)
 
-    def replay_forward(self, inputs: Sequence[torch.Tensor], pool: _Pool) -> Tuple[torch.Tensor, ...]:
+    def replay_forward(self, inputs: Sequence[torch.Tensor], pool: EmulatedPool) -> Tuple[torch.Tensor, ...]:
         with torch.no_grad():
             for i in range(self.len_user_args):
                 if self.surface[i].data_ptr() != inputs[i].data_ptr():
@@ -123,7 +95,7 @@ class _Instance:
         pool.replayed(self.fwd_position)
         return tuple(o.detach() for o in self.static_outputs)
 
-    def replay_backward(self, grads: Sequence[Optional[torch.Tensor]], pool: _Pool) -> Tuple[Any, ...]:
+    def replay_backward(self, grads: Sequence[Optional[torch.Tensor]], pool: EmulatedPool) -> Tuple[Any, ...]:
         with torch.no_grad():
             for static, grad in zip(self.static_grad_outputs, grads):
                 if static is not None and grad is not None and static.data_ptr() != grad.data_ptr():
@@ -149,7 +121,7 @@ def _empty_like(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else torch.empty_like(t)
 
 
-def _graphed(instance: _Instance, pool: _Pool, module_params: Tuple[torch.Tensor, ...]) -> Callable[..., Any]:
+def _graphed(instance: _Instance, pool: EmulatedPool, module_params: Tuple[torch.Tensor, ...]) -> Callable[..., Any]:
     class Graphed(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, *inputs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
@@ -197,13 +169,15 @@ def emulated_make_graphed_callables(callables: Any, sample_args: Any, *, num_war
             if outputs:
                 torch.autograd.grad(outputs, [s for s in surface if s.requires_grad],
                                     grad_outputs=[torch.empty_like(o) for o in outputs], allow_unused=allow_unused_input)
-    pool = _Pool()
+    pool = EmulatedPool()
     instances = [_Instance(fn, args, surface, allow_unused_input) for fn, args, surface in zip(fns, samples, surfaces)]
     for instance in instances:  # forwards in order
-        instance.fwd_position = pool.add(instance.pool_outputs())
+        instance.slots.append(PoolSlot(instance.pool_outputs()))
+        instance.fwd_position = pool.add(instance.slots[-1])
     for instance in reversed(instances):  # then backwards in reverse
         instance.capture_backward()
-        instance.bwd_position = pool.add(instance.static_grad_inputs)
+        instance.slots.append(PoolSlot(instance.static_grad_inputs))
+        instance.bwd_position = pool.add(instance.slots[-1])
     graphed: List[Any] = []
     for fn, instance, p in zip(fns, instances, params):
         functionalized = _graphed(instance, pool, p)

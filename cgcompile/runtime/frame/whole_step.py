@@ -19,7 +19,8 @@ from ... import _compat, counters
 from ...errors import ConfigError
 from ..bank import policy as bank_policy
 from ..drivers.base import Driver
-from ..drivers.select import device_of, get_driver
+from ...devices import device_of
+from ..drivers.select import get_driver
 from .optimizer_values import OptimizerValues, changed_value
 from ..drivers.host_sync import host_sync_reason
 from ..release import register

@@ -5,11 +5,11 @@ a call replays, when a new one is captured, the eager warmup before, which outpu
 aot_autograd splits the partition into functional aten forward and backward graphs; its runtime wrappers keep
 doing input mutation copy-back and output aliasing, while our compilers wrap each graph in a GraphFamily that
 warms up, captures and replays it through the driver. The partition they belong to (`part`, a PartitionRunner,
-runtime/local/runner.py) keeps the bank, its policy and every counter (the family calls its methods); the buffer
-rules are in graph.py.
+runtime/local/runner.py) keeps the bank and the call in progress (runtime/local/call.py); its ledger every counter
+(the family reports through the runner's methods); the buffer rules are in runtime/local/instance.py.
 
 Finding an instance costs the same whatever the number of layers or instances: instances are kept per parameter
-set (the identity of the partition's first parameter, `PartitionRunner.call_key`), each checks its fixed addresses
+set (runtime/bank/key.py, the call's `PartitionCall.param_set`), each checks its fixed addresses
 in one pass, and the pool rule is tracked incrementally (runtime/local/model_runtime.py).
 
 Outputs kept beyond their step: an eager island's autograd context may keep a partition output as an attribute
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -36,9 +36,10 @@ from ..drivers.thread_state import preserved_global_state
 from ...passes.mutation import mutated_inputs
 from ..tensors import at_positions
 from .instance import GraphInstance, capture_instance
+from .sources import source_of, tag
 from .traced_strides import keep_traced_strides
 
-__all__ = ["BankEntry", "GraphFamily"]
+__all__ = ["BackwardFamily", "BankEntry", "GraphFamily"]
 
 log = logging.getLogger("cgcompile")
 
@@ -47,10 +48,10 @@ class EagerHandout:
     """What one eager (warmup) forward run handed out: a weak reference per fresh output storage, and whether its
     backward has run, to learn which positions callers keep beyond their step."""
 
-    def __init__(self, family: "GraphFamily", key: int, outputs: Sequence[Any], inputs: Sequence[Any],
+    def __init__(self, family: "GraphFamily", param_set: int, outputs: Sequence[Any], inputs: Sequence[Any],
                  pending: bool):
         self.family = family
-        self.key = key
+        self.param_set = param_set
         taken = {_compat.storage_key(t)[0] for t in inputs if isinstance(t, torch.Tensor)}
         self.refs = {j: (_compat.storage_key(out)[1], _compat.storage_weak_ref(out)) for j, out in enumerate(outputs)
                      if isinstance(out, torch.Tensor) and _compat.storage_key(out)[0] not in taken}
@@ -73,7 +74,7 @@ def _source_of(args: Sequence[Any], family: Optional["GraphFamily"]) -> Any:
     """The forward call of `family` (a GraphInstance or an EagerHandout) whose outputs these backward arguments
     are (others may carry the forward calls of the partitions before it: its saved inputs)."""
     for arg in args:
-        source = getattr(arg, "_cgcompile_source", None)
+        source = source_of(arg)
         if source is not None and source.family is family:
             return source
     return None
@@ -92,7 +93,7 @@ class GraphFamily:
         self.collectives = collectives or {}  # the c10d collectives the graph runs, e.g. DTensor's (stats()["graphs"])
         self.instances: Dict[int, List[GraphInstance]] = {}  # forward/inference instances per parameter set
         self.layouts: Optional[List[OutputLayout]] = None  # its outputs' layouts, seen in an eager run (arenas)
-        self.copy_out: Set[int] = set()  # output positions callers keep beyond their step: handed out as copies
+        self.copied_outputs: Set[int] = set()  # output positions callers keep beyond their step: handed out as copies
         self.saved: Set[int] = set()  # forward output positions the backward reads (autograd's saved tensors)
         self.moving: Set[int] = set()  # written inputs seen at other addresses: copied in and back
         self._eager: Dict[int, EagerHandout] = {}  # per parameter set, its last warmup run
@@ -105,15 +106,14 @@ class GraphFamily:
         part = self.part
         if part.broken is not None or not part.driver.captures:
             return self.run(args)
-        if self.kind == "backward":
-            return self._backward(args)
-        key = part.call_key
+        call = part.call
+        key = call.param_set if call is not None else 0
         if self._eager:
             self._learn_from_warmup(key)
         if part.warming_up(self, key):
             return self._warmup(key, args)
         out = self._forward(key, args)
-        part.after_call(key)
+        part.releaser.after_call(key)
         return out
 
     def _watch_written(self, key: int, args: list) -> None:
@@ -152,49 +152,59 @@ class GraphFamily:
         passed_through = {id(a) for a in args}
         for t in out:
             if isinstance(t, torch.Tensor) and id(t) not in passed_through:  # an input returned keeps its own tag
-                t._cgcompile_source = handout
+                tag(t, handout)
         self._eager[key] = handout
         return out
 
     def _forward(self, key: int, args: list) -> Any:
         part = self.part
-        graph = self._replayable(key, args)
+        graph, lesson = self._replayable(key, args)
         if graph is not None:
-            out = graph.replay(args, alias=True, copies=self.copy_out)
-            part.note_replay(key, graph)
+            out = graph.replay(args, alias=True, copied_outputs=self.copied_outputs)
+            part.replayed(graph)
             return out
         stale = self._stale(key, args)
         if stale is not None:
             return self._capture_and_run(key, args, replace=stale[0], reason=stale[1])
+        if lesson is not None:  # answered without a new instance: what blocked is handed out as copies from now on
+            part.ran_eagerly(lesson=lesson)
+            return self.run(args)
         if part.stopped is not None:
-            part.note_eager(key)
+            part.ran_eagerly()
             return self.run(args)  # stopped capturing new sizes (bank policy); its graphs still replay
         if not part.has_room(key):
-            part.note_eager(key, f"max_graphs_per_partition={part.config.max_graphs_per_partition} reached (every "
-                                 f"instance held or captured for other inputs); this call runs eagerly")
+            part.ran_eagerly(f"max_graphs_per_partition={part.config.max_graphs_per_partition} reached (every "
+                             f"instance held or captured for other inputs); this call runs eagerly")
             return self.run(args)
         return self._capture_and_run(key, args)
 
-    def _replayable(self, key: int, args: list) -> Optional[GraphInstance]:
-        """An instance of this parameter set that may replay for `args` now (addresses match, nothing holds its
-        memory or its stolen grads, the pool rule allows it), or None."""
-        runtime = self.part.runtime
+    def _replayable(self, key: int, args: list) -> Tuple[Optional[GraphInstance], Optional[str]]:
+        """An instance of this parameter set whose addresses match `args` and that may replay now (the one rule,
+        GraphInstance.replay_blocker, which the steady replay calls too), or None, with the lesson a blocked one
+        taught, if any. What blocks one is learnt from: the instance held with nothing pending (outputs a caller
+        keeps beyond its step: handed out as copies from then on), a later graph held (its family learns the
+        same), a backward graph whose grads, handed out as `.grad`, the loop kept past its step (`g = p.grad` in
+        a logger: it copies its grads from then on, GraphInstance.stop_stealing). A lesson means the blocked
+        instance is free again once the holder lets go, so the call runs eagerly instead of capturing another
+        instance per lesson (with no warmup, every lesson would otherwise cost a graph)."""
+        pool_blocker = self.part.runtime.memory.pool_blocker
+        lesson = None
         for graph in self.instances.get(key, ()):
             if not graph.addresses_match(args):
                 continue
-            if graph.held():
-                self.learn_held(graph)
-                continue
-            bw = graph.bw
-            if bw is not None and bw.held():  # its grads, stolen as .grad, are still in use
-                bw.stop_stealing()
-                continue
-            blocker = runtime.pool_blocker(graph)
+            blocker = graph.replay_blocker(pool_blocker)
             if blocker is None:
-                return graph
-            if blocker.kind != "backward":  # a graph held after this one: a holder its family can learn
-                blocker.family.learn_held(blocker)
-        return None
+                return graph, None
+            if blocker is graph:
+                if self.learn_held(graph):
+                    lesson = "outputs kept"
+            elif blocker.kind == "backward":
+                if blocker.steal:  # its grads, stolen as .grad, are kept past their step
+                    blocker.stop_stealing()
+                    lesson = "grads kept"
+            elif blocker.family.learn_held(blocker):  # a graph held after this one: a holder its family learns
+                lesson = "outputs kept"
+        return None, lesson
 
     def _stale(self, key: int, args: list) -> Optional[tuple]:
         """(instance, why) when an instance for these very parameter objects is stale (checked on a miss only): a
@@ -212,11 +222,12 @@ class GraphFamily:
                                f"on instead of written in place")
         return None
 
-    def learn_held(self, graph: GraphInstance) -> None:
-        """A held instance with nothing pending: the positions still referenced are kept beyond the step."""
+    def learn_held(self, graph: GraphInstance) -> bool:
+        """A held instance with nothing pending: the positions still referenced are kept beyond the step. True
+        when that taught the family positions it did not know."""
         if graph.pending_backward:
-            return
-        self._keep_as_copies(graph.held_positions())
+            return False
+        return self._keep_as_copies(graph.held_positions())
 
     def _learn_from_warmup(self, key: int) -> None:
         handout = self._eager.get(key)
@@ -224,12 +235,13 @@ class GraphFamily:
             del self._eager[key]
             self._keep_as_copies(handout.held_positions())
 
-    def _keep_as_copies(self, positions: Set[int]) -> None:
-        new = positions - self.saved - self.copy_out
+    def _keep_as_copies(self, positions: Set[int]) -> bool:
+        new = positions - self.saved - self.copied_outputs
         if not new:
-            return
-        self.copy_out |= new
-        self.part.note_copy_out(self.kind, sorted(new))
+            return False
+        self.copied_outputs |= new
+        self.part.copies_outputs(self.kind, sorted(new))
+        return True
 
     def _capture_and_run(self, key: int, args: list, replace: Optional[GraphInstance] = None,
                          reason: str = "") -> Any:
@@ -237,18 +249,23 @@ class GraphFamily:
         streak = 0
         if replace is not None:
             self.remove(replace)
-            streak = part.recapturing(key, replace, self.kind, reason)
-            if streak is None:
+            streak, storm = part.releaser.recapture(replace, self.kind, reason)
+            if storm is not None:
+                part.fail(storm, storm=True)
+                part.ran_eagerly()  # the call is counted like any other that ran eagerly
                 return self.run(args)
+        call_args = part.call.args if part.call is not None else ()
         try:
-            graph = self._capture(key, args, frozenset(part.inputs.static_storages()))
+            graph = self._capture(key, args, frozenset(part.inputs.static_storages(call_args)))
         except Exception as exc:
             part.fail(f"capturing its {self.kind} graph failed: {type(exc).__name__}: {exc}")
+            part.ran_eagerly()
             return self.run(args)
-        graph.remember_params(args, part.runtime.note_dead)
+        runtime = part.runtime
+        graph.remember_params(args, lambda dead: runtime.note_dead(part, dead))
         self.instances.setdefault(key, []).append(graph)
-        out = graph.replay(args, alias=True, copies=self.copy_out)
-        part.note_capture(key, graph, streak)
+        out = graph.replay(args, alias=True, copied_outputs=self.copied_outputs)
+        part.captured(graph, streak)
         return out
 
     def remove(self, graph: GraphInstance) -> None:
@@ -257,51 +274,22 @@ class GraphFamily:
             if graph in instances:
                 instances.remove(graph)
 
-    def _backward(self, args: list) -> Any:
-        forward = self.entry.forward
-        source = _source_of(args, forward)
-        if isinstance(source, EagerHandout):
-            source.backward_ran()
-            return self._run_warming(source.key, args)
-        instance = source if source is not None else forward.owner_of(args) if forward is not None else None
-        handout = forward.pending_eager_run() if instance is None and forward is not None else None
-        if handout is not None:
-            handout.backward_ran()
-            return self._run_warming(handout.key, args)
-        if instance is None or not instance.alive:
-            return self.run_eagerly(args)  # its forward ran eagerly (cap, fallback) or was released
-        instance.backward_ran()
-        forward.note_saved(instance, args)
-        runtime = self.part.runtime
-        if instance.bw is None:
-            try:
-                instance.attach_backward(self._capture(instance.key, args, instance.param_storages, instance))
-            except Exception as exc:
-                self.part.fail(f"capturing its backward graph failed: {type(exc).__name__}: {exc}")
-                return self.run(args)
-        elif instance.bw.held() or not runtime.pool_allows(instance.bw) or not instance.bw.addresses_match(args):
-            return self.run(args)  # e.g. a second backward through the same forward (retain_graph)
-        bw = instance.bw
-        bw.note_grads(self._grads_cleared(instance))
-        # An arena's memory is shared with other sizes: hand out aliases, whose lives the arena can see (autograd
-        # may hold a returned grad in an input buffer until another size's backward has run).
-        out = bw.replay(args, alias=bw.steal or bw.arena is not None)
-        runtime.note_replay(bw)
-        return out
-
-    @staticmethod
-    def _grads_cleared(instance: GraphInstance) -> bool:
-        """Are the grads of the parameters this instance reads unset, as after zero_grad(set_to_none=True)?
-        Checked before the backward replays, i.e. before AccumulateGrad runs for them."""
-        params = [ref() for ref in instance.param_refs.values()]
-        return all(p is None or p.grad is None for p in params)
+    def forget(self, graph: GraphInstance) -> None:
+        """Forget a released graph of this family: a forward/inference instance, or a backward graph alone (the
+        forward instance owning it captures it again when its backward next runs)."""
+        if self.kind == "backward":
+            forward = self.entry.forward
+            if forward is not None:
+                forward.drop_backward(graph)
+        else:
+            self.remove(graph)
 
     def owner_of(self, backward_args: Sequence[Any]) -> Optional[GraphInstance]:
         """The forward instance whose memory holds these saved tensors, when no alias object carried it."""
         runtime = self.part.runtime
         for arg in backward_args:
             if isinstance(arg, torch.Tensor):
-                graph = runtime.owner(arg)
+                graph = runtime.memory.owner(arg)
                 if isinstance(graph, GraphInstance) and graph.family is self:
                     return graph
         return None
@@ -325,12 +313,14 @@ class GraphFamily:
         part = self.part
         name = forward.label.rsplit(" ", 1)[0] if forward is not None else part.inputs.graph_name(args, param_storages)
         arenas = part.arenas.group(self.kind, param_storages) if part.sized else None
+        call_args = part.call.args if part.call is not None else ()
         graph = capture_instance(self, part.name, f"{name} {self.kind}", self.kind, self.run, args, param_storages,
-                                 self.mutated, key, part.runtime, part.driver, part.inputs.input_names_of(args), arenas,
+                                 self.mutated, key, part.runtime, part.driver,
+                                 part.inputs.input_names_of(args, call_args), arenas,
                                  self.layouts, part.arenas.reserve(self.kind, self.layouts, self.entry.batch),
                                  warmed_up=key in self._warmed, moving=frozenset(self.moving))
         if arenas is not None:
-            part.retire_superseded(arenas)
+            part.releaser.retire_superseded(arenas)
         return graph
 
     def all_instances(self) -> List[GraphInstance]:
@@ -346,6 +336,53 @@ class GraphFamily:
         for graph in self.all_instances():
             if graph.bw is bw:
                 graph.attach_backward(None)
+
+
+class BackwardFamily(GraphFamily):
+    """The backward graphs of one bank entry: each belongs to one forward instance (captured at its first
+    backward, replayed with it), found from the saved tensors autograd hands the backward."""
+
+    def __call__(self, args: list) -> Any:
+        part = self.part
+        if part.broken is not None or not part.driver.captures:
+            return self.run(args)
+        forward = self.entry.forward
+        source = _source_of(args, forward)
+        if isinstance(source, EagerHandout):
+            source.backward_ran()
+            return self._run_warming(source.param_set, args)
+        instance = source if source is not None else forward.owner_of(args) if forward is not None else None
+        handout = forward.pending_eager_run() if instance is None and forward is not None else None
+        if handout is not None:
+            handout.backward_ran()
+            return self._run_warming(handout.param_set, args)
+        if instance is None or not instance.alive:
+            return self.run_eagerly(args)  # its forward ran eagerly (cap, fallback) or was released
+        instance.backward_ran()
+        forward.note_saved(instance, args)
+        runtime = self.part.runtime
+        if instance.bw is None:
+            try:
+                instance.attach_backward(self._capture(instance.param_set, args, instance.param_storages, instance))
+            except Exception as exc:
+                self.part.fail(f"capturing its backward graph failed: {type(exc).__name__}: {exc}")
+                return self.run(args)
+        elif not instance.bw.addresses_match(args) or instance.bw.replay_blocker(runtime.memory.pool_blocker):
+            return self.run(args)  # e.g. a second backward through the same forward (retain_graph)
+        bw = instance.bw
+        bw.note_grads(self._grads_cleared(instance))
+        # An arena's memory is shared with other sizes: hand out aliases, whose lives the arena can see (autograd
+        # may hold a returned grad in an input buffer until another size's backward has run).
+        out = bw.replay(args, alias=bw.steal or bw.arena is not None)
+        runtime.mark_in_flight(bw)
+        return out
+
+    @staticmethod
+    def _grads_cleared(instance: GraphInstance) -> bool:
+        """Are the grads of the parameters this instance reads unset, as after zero_grad(set_to_none=True)?
+        Checked before the backward replays, i.e. before AccumulateGrad runs for them."""
+        params = [ref() for ref in instance.param_refs.values()]
+        return all(p is None or p.grad is None for p in params)
 
 
 # --- one input signature of a partition ----------------------------------------------------------------------
@@ -379,7 +416,8 @@ class BankEntry:
             run = keep_traced_strides(gm, run, f"{self.part.name} {kind}")
         elif kind == "backward":  # its kernels may write the saved tensors donated to it: undone after a capture run
             mutated |= _compat.donated_inputs()
-        family = GraphFamily(self, kind, run, mutated, collective_counts(gm))
+        family = (BackwardFamily if kind == "backward" else GraphFamily)(self, kind, run, mutated,
+                                                                         collective_counts(gm))
         setattr(self, kind, family)
         return family
 

@@ -1,7 +1,7 @@
 """What a partition's inputs are, for the names in logs, graph labels and the memory registry: which arguments of
 the call in progress are parameters or buffers (their storages), what each aot graph argument is called, and how
-a new graph and its parameter set are labelled. The PartitionRunner (runtime/local/runner.py) holds one and tells it
-which call is in progress."""
+a new graph and its parameter set are labelled. The PartitionRunner (runtime/local/runner.py) holds one; the graph
+families pass it the arguments of the call in progress (runtime/local/call.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ __all__ = ["PartitionInputs"]
 
 
 class PartitionInputs:
-    """Names and parameter storages of one partition's inputs; the call in progress (`begin`/`end`)."""
+    """Names and parameter storages of one partition's inputs."""
 
     def __init__(self, submod: fx.GraphModule, name: str, frame: str, location: Optional[str],
                  static_indices: FrozenSet[int], input_names: Sequence[str]):
@@ -26,25 +26,18 @@ class PartitionInputs:
         self.location = location
         self.static_indices = static_indices
         self.input_names = list(input_names)  # per submod input, how logs name it (see input_description)
-        self.current: Optional[Sequence[Any]] = None  # the arguments of the call in progress
         self._param_set_ids: Dict[frozenset, int] = {}
         self._serial = 0
-
-    def begin(self, args: Sequence[Any]) -> None:
-        self.current = args
-
-    def end(self) -> None:
-        self.current = None
 
     def describe(self) -> str:
         return f"partition {self.name}" + (f" ({self.location})" if self.location else "")
 
-    def static_storages(self) -> set:
-        """Storages of this call's parameters and buffers: the indices given, Parameters, Dynamo-marked
+    def static_storages(self, call_args: Sequence[Any]) -> set:
+        """Storages of a call's parameters and buffers: the indices given, Parameters, Dynamo-marked
         static tensors, and the submodule's own parameters/buffers (aot passes those first); of a wrapper
         parameter (DTensor), its inner tensors' storages, which are what aot hands the graphs."""
         found = set()
-        for index, arg in enumerate(self.current or ()):
+        for index, arg in enumerate(call_args):
             if is_param_or_buffer(arg) or (isinstance(arg, torch.Tensor) and index in self.static_indices):
                 found.update(storage_ptr(inner) for inner in inner_tensors(arg))
         for tensor in list(self.submod.parameters()) + list(self.submod.buffers()):
@@ -52,10 +45,10 @@ class PartitionInputs:
         found.discard(0)
         return found
 
-    def input_names_of(self, args: Sequence[Any]) -> List[Optional[str]]:
-        """Per argument of an aot graph, the name of the partition input it is (aot passes this call's
-        tensors through as they are), or None (a saved tensor, a tangent, a lifted parameter)."""
-        own = {id(arg): i for i, arg in enumerate(self.current or ())}
+    def input_names_of(self, args: Sequence[Any], call_args: Sequence[Any]) -> List[Optional[str]]:
+        """Per argument of an aot graph, the name of the partition input it is (aot passes the call's tensors,
+        `call_args`, through as they are), or None (a saved tensor, a tangent, a lifted parameter)."""
+        own = {id(arg): i for i, arg in enumerate(call_args)}
         names = self.input_names
         return [names[own[id(arg)]] if id(arg) in own and own[id(arg)] < len(names) else None for arg in args]
 

@@ -52,9 +52,10 @@ from ...counters import add_replays
 from ..memory.arena import ArenaGroup, OutputArena, OutputLayout, output_layouts, span_bytes, writing_into
 from ..drivers.base import CaptureError, CapturedGraph, Driver
 from ..drivers.thread_state import preserved_global_state
-from ..tensors import at_positions, copy_into, static_copy, storage_ptr, uncopyable_reason
+from ..tensors import at_positions, copy_into, flagged_parameter, static_copy, storage_ptr, uncopyable_reason
 from ..memory.claim import MemoryClaim
 from ..drivers.write_undo import WriteUndo
+from .sources import tag
 
 _copy_all = _compat.copy_all
 
@@ -71,16 +72,18 @@ class GraphInstance:
 
     `family` is the GraphFamily (runtime/local/family.py) that captured it; `partition` (the partition's name), `label`
     (unique, readable) and `kind` ("forward", "backward", "inference") name it in logs and stats()["graphs"];
-    `key` is the parameter set it serves. Its memory (`claim`, runtime/memory/claim.py) is registered with the runtime,
-    which records borrowers through borrow()/forget()."""
+    `param_set` is the parameter set it serves (runtime/bank/key.py). Its memory (`claim`, runtime/memory/claim.py) is
+    claimed by itself (claim_owned) and recorded by the runtime's memory registry; borrowers through
+    borrow()/forget(). `arena`: the output arena it writes into (a partition whose sizes vary), or None."""
 
     def __init__(self, family: Any, partition: str, label: str, kind: str, captured: CapturedGraph, kinds: List[str],
-                 param_storages: frozenset, capture_seconds: float, key: int, mutated: frozenset = frozenset()):
+                 param_storages: frozenset, capture_seconds: float, param_set: int, mutated: frozenset = frozenset(),
+                 arena: Optional[OutputArena] = None):
         self.family = family
         self.partition = partition
         self.label = label
         self.kind = kind
-        self.key = key
+        self.param_set = param_set
         self.captured: Optional[CapturedGraph] = captured
         self.kinds = kinds
         self.param_storages = param_storages
@@ -90,32 +93,41 @@ class GraphInstance:
         # addresses_match(args): are the parameters, borrowed and in-place inputs where this graph reads them?
         self.addresses = _compat.AddressCheck(fixed, [inputs[i].data_ptr() for i in fixed])
         self.addresses_match = self.addresses.matches
-        copies = [i for i, k in enumerate(kinds) if k is OWNED]
-        self.copy_back = [i for i in copies if i in mutated]  # written by the graph: the caller's tensor gets it
+        owned = [i for i, k in enumerate(kinds) if k is OWNED]
+        self.copy_back = [i for i in owned if i in mutated]  # written by the graph: the caller's tensor gets it
         self.in_place = [i for i, k in enumerate(kinds) if k is IN_PLACE]
-        self.expanded_copies = [i for i in copies if 0 in inputs[i].stride()]  # copied by their core
-        self.copies = [i for i in copies if i not in self.expanded_copies]
-        self.copy_buffers = [inputs[i] for i in self.copies]
-        # the call's arguments at self.copies, as a sequence, in one C call
-        self._copy_sources = at_positions(self.copies)
+        self.expanded_inputs = [i for i in owned if 0 in inputs[i].stride()]  # copied in by their core
+        self.copied_inputs = [i for i in owned if i not in self.expanded_inputs]  # copied in, all in one call
+        self.copy_buffers = [inputs[i] for i in self.copied_inputs]
+        # the call's arguments at self.copied_inputs, as a sequence, in one C call
+        self._copy_sources = at_positions(self.copied_inputs)
         self.tensor_outputs = [j for j, t in enumerate(captured.static_outputs) if isinstance(t, torch.Tensor)]
         self.all_tensors = len(self.tensor_outputs) == len(captured.static_outputs)
         # replay_plain serves it under no_grad: an inference graph whose every input is copied in or read in place,
-        # none written back, whose outputs are all tensors, with no output arena (capture_instance may set one)
-        self.plain = (kind == "inference" and self.all_tensors and not self.expanded_copies
-                      and not self.copy_back)
+        # none written back, whose outputs are all tensors, with no output arena
+        self.plain = (kind == "inference" and self.all_tensors and not self.expanded_inputs
+                      and not self.copy_back and arena is None)
         self.claim = MemoryClaim()
         self.lenders: List[Tuple[MemoryClaim, int, int]] = []  # (lender's claim, storage ptr, references we keep)
         self.pool_position: Optional[int] = None
-        self.arena: Optional[OutputArena] = None
+        self.arena = arena
         self.replays = 0
         self.bw: Optional[GraphInstance] = None  # a forward instance's backward graph
         self.pending_backward = False  # forward: replayed, its backward not run yet
         self.in_backward_pass = False  # backward: handed out its static outputs in the backward pass running now
         self.cleared_streak = 0  # backward: replays in a row that found the parameters' grads cleared
+        self.grads_kept = False  # backward: a grad it handed out as .grad was kept past its step: copies for good
         self.param_refs: Dict[int, weakref.ref] = {}  # the caller's parameter objects: moved, or freed?
 
-    # memory registry (ModelRuntime) ----------------------------------------------------------------------
+    # memory registry (runtime/memory/registry.py) -------------------------------------------------------
+
+    def claim_owned(self) -> List[int]:
+        """Claim the storages this graph owns (owned_storages), with use-count baselines taken by settle(): their
+        addresses, for the registry."""
+        found = owned_storages(self)
+        for ptr, handle, reachable in found:
+            self.claim.own(ptr, handle, reachable)
+        return [ptr for ptr, _, _ in found]
 
     def borrow(self, lender: MemoryClaim, ptr: int, kept: int) -> None:
         """This graph keeps `kept` references to memory `lender` claims: they count as the lender's idle state."""
@@ -155,7 +167,9 @@ class GraphInstance:
             if graph is not None and graph.alive:
                 on_death(graph)
 
-        self.param_refs = {i: weakref.ref(args[i], freed) for i, k in enumerate(self.kinds) if k is PARAM}
+        # (a tensor flagged as a parameter without being one is made anew on every call: its storage is what is read)
+        self.param_refs = {i: weakref.ref(args[i], freed) for i, k in enumerate(self.kinds)
+                           if k is PARAM and not flagged_parameter(args[i])}
 
     def handed_aliases(self) -> List[Optional[torch.Tensor]]:
         """The aliases its last replay handed out, by output position (None where dead or copied)."""
@@ -173,21 +187,45 @@ class GraphInstance:
         self.cleared_streak = self.cleared_streak + 1 if cleared else 0
 
     def stop_stealing(self) -> None:
-        """The loop keeps the grads it was given across steps: backward outputs are copied from now on."""
+        """The loop keeps a grad it was given past its step (accumulation, `g = p.grad` in a logger): backward
+        outputs are copied from now on, for good (a kept grad then holds no graph memory)."""
         self.cleared_streak = 0
+        self.grads_kept = True
 
     @property
     def steal(self) -> bool:
-        """Backward: hand out aliases that AccumulateGrad may keep as param.grad (grads seen cleared twice)."""
-        return self.cleared_streak >= 2
+        """Backward: hand out aliases that AccumulateGrad may keep as param.grad (grads seen cleared twice, and
+        never seen kept)."""
+        return self.cleared_streak >= 2 and not self.grads_kept
+
+    def held_by_itself(self) -> bool:
+        """Is this graph's own memory in use (held() without the output arena it shares)? What a release asks: a
+        member of an arena another size's output holds may go, the arena staying with its other members (and a
+        held arena is never written: no member replays into it, and a new capture takes another)."""
+        return self.in_backward_pass or self.claim.held()
 
     def held(self) -> bool:
         """Is this graph's memory, or the output arena it shares with other sizes (arena.py), in use?"""
         return self.in_backward_pass or self.claim.held() or (self.arena is not None and self.arena.held())
 
-    def free(self) -> bool:
-        """not held(): the steady replay's memory test for a graph that is not plain (runtime/local/runner.py)."""
-        return not self.held()
+    def replay_blocker(self, pool_blocker: Callable[["GraphInstance"], Optional["GraphInstance"]]
+                       ) -> Optional["GraphInstance"]:
+        """The one rule for "may this instance replay now", which the family's full path and the runner's steady
+        replay both call: None when it may; else what stops it: the instance itself (discarded, or its memory in
+        use), its backward graph (the grads it handed out as .grad still in use), or a later graph in the pool
+        that is held (`pool_blocker`, the runtime's pool rule). A plain graph's memory test also takes its claim
+        for the replay about to run (MemoryClaim.take)."""
+        if self.captured is None:
+            return self
+        if self.plain:
+            if not self.claim.take():
+                return self
+        elif self.held():
+            return self
+        bw = self.bw
+        if bw is not None and bw.held():
+            return bw
+        return pool_blocker(self)
 
     def held_positions(self) -> Set[int]:
         """Output positions of the last replay still in use: an alias alive, or a view of its storage."""
@@ -229,57 +267,29 @@ class GraphInstance:
         self.in_backward_pass = True
         _compat.at_backward_end(ended)
 
-    def memory(self) -> Dict[str, Any]:
-        """Bytes this graph holds: its pool reservation, its copied-in input buffers, its own outputs; and the
-        output arena it shares (once per arena in a total), with the bytes of it its outputs take."""
-        inputs = self.captured.static_inputs
-        nbytes = {storage_ptr(t): t.untyped_storage().nbytes() for t in inputs if isinstance(t, torch.Tensor)}
-        buffers = sum(nbytes[storage_ptr(t)] for t, k in zip(inputs, self.kinds) if k is OWNED)
-        outputs = {storage_ptr(t): t.untyped_storage().nbytes() for t in self.captured.static_outputs
-                   if isinstance(t, torch.Tensor) and storage_ptr(t) not in nbytes}
-        arena = self.arena
-        return {"pool_bytes": self.captured.pool_bytes, "static_input_bytes": buffers,
-                "static_output_bytes": sum(outputs.values()), "arena": arena.name if arena is not None else None,
-                "arena_bytes": arena.nbytes if arena is not None else 0,
-                "arena_output_bytes": sum(span_bytes(t) for t, k in zip(inputs, self.kinds) if k is ARENA)}
-
-    def owned_storages(self) -> List[Tuple[int, int, bool]]:
-        """Storages this graph owns: its copied-in input buffers and outputs not aliasing other inputs, as
-        (ptr, handle, reachable): reachable when an output lives in it (what a caller can reference)."""
-        inputs = self.captured.static_inputs
-        foreign = {storage_ptr(t) for t, k in zip(inputs, self.kinds) if k in (PARAM, BORROWED, IN_PLACE, ARENA)}
-        found: Dict[int, int] = {}
-        candidates = [t for t, k in zip(inputs, self.kinds) if k is OWNED] + list(self.captured.static_outputs)
-        for t in candidates:
-            if isinstance(t, torch.Tensor):
-                ptr, sid = _compat.storage_key(t)
-                if ptr and ptr not in foreign:
-                    found.setdefault(ptr, sid)
-        reachable = {storage_ptr(t) for t in self.captured.static_outputs if isinstance(t, torch.Tensor)}
-        return [(ptr, sid, ptr in reachable) for ptr, sid in found.items()]
-
     def replay_plain(self, args: Sequence[Any]) -> List[Any]:
         """replay(args, alias=True) for a `plain` graph with no output handed out as a copy, whose memory claim the
-        caller has just taken (MemoryClaim.take): the steady inference replay (runtime/local/runner.py) without the
+        caller has just taken (replay_blocker): the steady inference replay (runtime/local/runner.py) without the
         branches it never takes."""
-        if self.copies:  # one dispatch (a caller passing our own buffer back copies it onto itself: a no-op)
+        if self.copied_inputs:  # one dispatch (a caller passing our own buffer back copies it onto itself: a no-op)
             _copy_all(self.copy_buffers, self._copy_sources(args))
         static = self.captured.replay()  # held while an alias lives: use counts tell
         outputs = [static[0].detach()] if len(static) == 1 else [out.detach() for out in static]
         self.replays += 1  # counted in stats() by the caller when it brings its clocks up to date (add_replays)
         return outputs
 
-    def replay(self, args: Sequence[Any], alias: bool, copies: Set[int] = frozenset()) -> List[Any]:
-        """Run the graph for `args`: outputs handed out as aliases (or, at positions in `copies`, as copies), or
+    def replay(self, args: Sequence[Any], alias: bool, copied_outputs: Set[int] = frozenset()) -> List[Any]:
+        """Run the graph for `args`: outputs handed out as aliases (or, at positions in `copied_outputs`, as
+        copies), or
         as the static tensors themselves when not `alias` (a backward's grads that AccumulateGrad clones).
         Every replay runs this: each step is one that a replay needs."""
         grad = torch.is_grad_enabled()
         if grad:  # copies into our buffers and the aliases handed out carry no autograd history
             _compat.set_grad_enabled(False)
         try:
-            if self.copies:  # one dispatch (a caller passing our own buffer back copies it onto itself: a no-op)
+            if self.copied_inputs:  # one dispatch (a caller passing our own buffer back copies it onto itself)
                 _copy_all(self.copy_buffers, self._copy_sources(args))
-            for i in self.expanded_copies:
+            for i in self.expanded_inputs:
                 copy_into(self.captured.static_inputs[i], args[i])
             static = self.captured.replay()
             for i in self.copy_back:
@@ -287,22 +297,22 @@ class GraphInstance:
             if self.arena is not None:
                 self.arena.replayed()
             if alias and self.kind != "forward":  # held while an alias lives: its storage's use count tells
-                if self.all_tensors and not copies:  # the usual inference replay
+                if self.all_tensors and not copied_outputs:  # the usual inference replay
                     outputs = [out.detach() for out in static]
                 else:
                     outputs = list(static)
                     for j in self.tensor_outputs:
-                        outputs[j] = outputs[j].clone() if copies and j in copies else outputs[j].detach()
+                        outputs[j] = outputs[j].clone() if j in copied_outputs else outputs[j].detach()
                 self.claim.replayed()
             elif alias:  # the backward finds its forward instance, and which outputs it saved, by the aliases
                 outputs = list(static)
                 handed: List[Any] = [None] * len(outputs)
                 for j in self.tensor_outputs:
-                    if copies and j in copies:
+                    if j in copied_outputs:
                         outputs[j] = outputs[j].clone()
                         continue
                     handed[j] = outputs[j] = out = outputs[j].detach()
-                    out._cgcompile_source = self
+                    tag(out, self)
                 self.claim.hand_out(handed)
             else:
                 outputs = list(static)
@@ -317,11 +327,45 @@ class GraphInstance:
         return outputs
 
 
+# --- what a graph holds --------------------------------------------------------------------------------------
+
+
+def memory_of(graph: GraphInstance) -> Dict[str, Any]:
+    """Bytes this graph holds: its pool reservation, its copied-in input buffers, its own outputs; and the
+    output arena it shares (once per arena in a total), with the bytes of it its outputs take."""
+    inputs = graph.captured.static_inputs
+    nbytes = {storage_ptr(t): t.untyped_storage().nbytes() for t in inputs if isinstance(t, torch.Tensor)}
+    buffers = sum(nbytes[storage_ptr(t)] for t, k in zip(inputs, graph.kinds) if k is OWNED)
+    outputs = {storage_ptr(t): t.untyped_storage().nbytes() for t in graph.captured.static_outputs
+               if isinstance(t, torch.Tensor) and storage_ptr(t) not in nbytes}
+    arena = graph.arena
+    return {"pool_bytes": graph.captured.pool_bytes, "static_input_bytes": buffers,
+            "static_output_bytes": sum(outputs.values()), "arena": arena.name if arena is not None else None,
+            "arena_bytes": arena.nbytes if arena is not None else 0,
+            "arena_output_bytes": sum(span_bytes(t) for t, k in zip(inputs, graph.kinds) if k is ARENA)}
+
+
+def owned_storages(graph: GraphInstance) -> List[Tuple[int, int, bool]]:
+    """Storages this graph owns: its copied-in input buffers and outputs not aliasing other inputs, as
+    (ptr, handle, reachable): reachable when an output lives in it (what a caller can reference)."""
+    inputs = graph.captured.static_inputs
+    foreign = {storage_ptr(t) for t, k in zip(inputs, graph.kinds) if k in (PARAM, BORROWED, IN_PLACE, ARENA)}
+    found: Dict[int, int] = {}
+    candidates = [t for t, k in zip(inputs, graph.kinds) if k is OWNED] + list(graph.captured.static_outputs)
+    for t in candidates:
+        if isinstance(t, torch.Tensor):
+            ptr, sid = _compat.storage_key(t)
+            if ptr and ptr not in foreign:
+                found.setdefault(ptr, sid)
+    reachable = {storage_ptr(t) for t in graph.captured.static_outputs if isinstance(t, torch.Tensor)}
+    return [(ptr, sid, ptr in reachable) for ptr, sid in found.items()]
+
+
 # --- capture ------------------------------------------------------------------------------------------------
 
 
 def capture_instance(family: Any, partition: str, label: str, kind: str, run: Callable[[list], Any], args: list,
-                     param_storages: frozenset, mutated: frozenset, key: int, runtime: Any, driver: Driver,
+                     param_storages: frozenset, mutated: frozenset, param_set: int, runtime: Any, driver: Driver,
                      names: Sequence[Optional[str]] = (), arenas: Optional[ArenaGroup] = None,
                      layouts: Optional[List[OutputLayout]] = None, reserve: Optional[Dict[int, int]] = None,
                      warmed_up: bool = False,
@@ -334,7 +378,7 @@ def capture_instance(family: Any, partition: str, label: str, kind: str, run: Ca
     position a new arena holds at least (the largest sizes seen or declared, so they need no larger one later). `warmed_up`: the caller ran the
     graph eagerly on the driver's warmup stream already, so the driver needs no warmup run of its own. `moving`:
     written inputs seen at other addresses before, copied in and back rather than read in place."""
-    lenders = runtime.lenders(args)
+    lenders = runtime.memory.lenders(args)
     kinds: List[str] = []
     inputs: List[Any] = []
     for index, arg in enumerate(args):
@@ -348,7 +392,7 @@ def capture_instance(family: Any, partition: str, label: str, kind: str, run: Ca
         if ptr and ptr in param_storages:
             kinds.append(PARAM)
             inputs.append(arg.detach())
-        elif ptr and runtime.owner(arg) is not None:
+        elif ptr and runtime.memory.owner(arg) is not None:
             kinds.append(BORROWED)
             inputs.append(arg.detach())
         elif index in mutated and index not in moving:
@@ -373,10 +417,10 @@ def capture_instance(family: Any, partition: str, label: str, kind: str, run: Ca
     start = time.perf_counter()
     captured = driver.capture(fn, inputs, runtime.pool(), warmup=not warmed_up, written=sorted(mutated))
     seconds = time.perf_counter() - start
-    graph = GraphInstance(family, partition, label, kind, captured, kinds, param_storages, seconds, key, mutated)
-    graph.arena = arena
+    graph = GraphInstance(family, partition, label, kind, captured, kinds, param_storages, seconds, param_set, mutated,
+                          arena)
     del inputs, captured
-    runtime.register(graph, lenders, arena)
+    runtime.register(graph, lenders)
     if arena is not None:
         arena.join(family, graph, before)
     return graph

@@ -1,14 +1,13 @@
 """ModelRuntime: what every partition of one compiled frame shares.
 
-The driver, the memory pool and its rule, the registry of which captured graph owns which memory (what makes an
-input borrowed and a graph held, see graph.py), the list of live graphs (each registers at capture and leaves
-when discarded), graphs whose parameters were freed, the capture summary and its progress display.
-runtime/local/runner.py keeps the per-partition graph bank; the pool rule is in ModelRuntime's docstring.
+The driver, the memory pool token and the memory registry (which captured graph owns which memory, and the pool
+rule: runtime/memory/registry.py), the list of live graphs (each registers at capture and leaves when discarded),
+graphs whose parameters were freed, the capture summary and its progress display. runtime/local/runner.py keeps
+the per-partition graph bank.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 import sys
 import time
@@ -17,14 +16,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ... import _compat
 from ...counters import add as count, reuse
 from .. import release as releases
 from ..drivers.base import Driver
 from ..drivers.select import EagerDriver, captures_on, get_driver
-from ..memory.arena import OutputArena
-from ..tensors import inner_tensors, storage_ptr
-from .instance import GraphInstance
+from .sources import source_of
+from ..memory.registry import MemoryRegistry
+from .instance import GraphInstance, memory_of
 
 log = logging.getLogger("cgcompile")
 
@@ -33,19 +31,11 @@ _EAGER = EagerDriver()
 
 
 class ModelRuntime:
-    """One per compiled frame: owns the driver, the graph pool, the registry of static memory and the live graphs.
+    """One per compiled frame: owns the driver, the graph pool, the memory registry and the live graphs.
 
     Pool: every graph the runtime captures (forward, backward, inference, every instance and size, output arenas'
-    members) goes into one memory pool, in capture order, so a graph's temporaries reuse memory other graphs
-    freed and the runtime pays for one pool's segments, not one per graph. Sharing is safe only if a graph never
-    replays while memory it may scribble over is still needed: its temporaries may overlap the static memory of
-    graphs captured *after* it. So a graph replays only when no graph captured after it is held (the pool rule);
-    otherwise the call takes another instance (a steady loop replays in capture order, so this only adds
-    instances where a later graph's outputs outlive the next call, as in fwd, fwd, bwd, bwd). The rule is tracked
-    incrementally: graphs replayed since last found free are kept in capture order (`_in_flight`), and a check
-    looks only at those after the graph, dropping each it finds free (a graph stays free until its next replay),
-    so a steady loop pays O(1) per replay whatever the depth. The emulate driver models the pool (a replay
-    poisons the outputs of the graphs captured after it), so a wrong rule fails the CPU tests.
+    members) goes into one memory pool, in capture order; the pool rule, which keeps that sharing safe, is the
+    memory registry's (runtime/memory/registry.py).
 
     Capture summary: one INFO line ("captured N graphs in X s, Y GiB") when the first capture wave ends, i.e. at
     the first replay of a graph after the call that captured it; `log_capture_summary()` logs it earlier if
@@ -56,9 +46,7 @@ class ModelRuntime:
         self.config = config
         self.driver: Driver = get_driver(str(config.driver), device)
         self.device = getattr(self.driver, "device", None) or torch.device(device)  # cuda: with its index
-        self._owners: Dict[int, Any] = {}  # storage data_ptr -> graph (or output arena) owning that memory
-        self._pooled: List[Optional[GraphInstance]] = []  # graphs in capture order (None: discarded)
-        self._in_flight: List[int] = []  # sorted pool positions of graphs replayed and not found free since
+        self.memory = MemoryRegistry()
         self._pool: Any = None
         self._wave_open = True
         self._wave = {"graphs": 0, "seconds": 0.0, "bytes": 0}
@@ -66,16 +54,10 @@ class ModelRuntime:
         self._progress: Optional[_Progress] = None
         self._live: Dict[int, GraphInstance] = {}  # id -> captured graph alive now, in capture order
         self._runners: "weakref.WeakSet[Any]" = weakref.WeakSet()  # PartitionRunners using this runtime
-        self.dead: List[GraphInstance] = []  # graphs whose parameters were freed: released at the next call
+        self.dead: List[Tuple[Any, GraphInstance]] = []  # (runner, graph) whose parameters were freed: released next call
         releases.register(self)
 
     # public ---------------------------------------------------------------------------------------------
-
-    def owns(self, t: Any) -> bool:
-        """Does `t` alias memory owned by one of our graphs (a static output or a static input buffer)? A wrapper
-        (DTensor) does when one of its inner tensors does."""
-        return isinstance(t, torch.Tensor) and bool(self._owners) and any(
-            storage_ptr(inner) in self._owners for inner in inner_tensors(t))
 
     def finish_frame_outputs(self, outputs: Any) -> Any:
         """Clone the frame outputs that alias static memory (when config.clone_outputs), so the next replay
@@ -85,15 +67,16 @@ class ModelRuntime:
         if not self.config.clone_outputs:
             return outputs
         for out in (outputs if isinstance(outputs, (list, tuple)) else (outputs,)):
-            leaves = getattr(getattr(out, "_cgcompile_source", None), "leaves_frame", None)
+            leaves = getattr(source_of(out), "leaves_frame", None)
             if leaves is not None:
                 leaves(out)
-        if not self._owners:
+        memory = self.memory
+        if not memory.any_owned():
             return outputs
         if isinstance(outputs, torch.Tensor):
-            return outputs.clone() if self.owns(outputs) else outputs
+            return outputs.clone() if memory.owns(outputs) else outputs
         if isinstance(outputs, (list, tuple)):
-            fixed = [o.clone() if self.owns(o) else o for o in outputs]
+            fixed = [o.clone() if memory.owns(o) else o for o in outputs]
             if type(outputs) in (list, tuple):
                 return type(outputs)(fixed)
             return type(outputs)(*fixed)  # namedtuple
@@ -121,9 +104,9 @@ class ModelRuntime:
         capture again on their next calls. A pending backward of a released forward runs eagerly."""
         for runner in list(self._runners):
             runner.release()
-        self._owners.clear()
+        self.memory.clear()
         self._live.clear()
-        self._pooled, self._in_flight, self._pool, self._wave_open = [], [], None, True
+        self._pool, self._wave_open = None, True
         self.dead = []
         self.driver.release()
 
@@ -132,7 +115,7 @@ class ModelRuntime:
         the pool bytes its capture reserved (CUDA only), and the bytes of the static input buffers and outputs it
         owns (what it keeps between calls)."""
         return [{"partition": g.partition, "label": g.label, "kind": g.kind, "replays": g.replays,
-                 "steady_replays": max(0, g.replays - 1), "collectives": dict(g.family.collectives), **g.memory()}
+                 "steady_replays": max(0, g.replays - 1), "collectives": dict(g.family.collectives), **memory_of(g)}
                 for g in self.live_graphs()]
 
     def partition_stats(self) -> List[Dict[str, Any]]:
@@ -163,46 +146,16 @@ class ModelRuntime:
             return _EAGER
         return self.driver
 
-    def owner(self, t: torch.Tensor) -> Any:
-        """The GraphInstance or OutputArena owning t's memory, or None."""
-        return self._owners.get(storage_ptr(t)) if self._owners else None
-
     def pool(self) -> Any:
         """The pool token every capture of this runtime uses."""
         if self._pool is None:
             self._pool = self.driver.new_pool()
         return self._pool
 
-    def lenders(self, args: Sequence[Any]) -> Dict[int, Tuple[Any, int, int]]:
-        """For the arguments living in our graphs' memory: storage ptr -> (owner's claim, handle, use count now)."""
-        found: Dict[int, Tuple[Any, int, int]] = {}
-        for arg in args:
-            if isinstance(arg, torch.Tensor) and self._owners:
-                ptr, sid = _compat.storage_key(arg)
-                if ptr in self._owners and ptr not in found:
-                    found[ptr] = (self._owners[ptr].claim, sid, _compat.storage_use_count(sid))
-        return found
-
-    def register(self, graph: GraphInstance, lenders: Dict[int, Tuple[Any, int, int]],
-                 arena: Optional[OutputArena] = None) -> None:
-        """Record a new graph's memory: what it owns (with use-count baselines), what it borrows, and the output
-        arena it writes into (which owns that memory, arena.py).
-
-        `lenders` was measured before the capture with the same caller references alive, so the growth
-        of each lender's use count is exactly the references the new graph keeps (its held inputs, outputs
-        that view them, and anything those keep alive) and goes into the lender's idle baseline.
-        """
-        for ptr, sid, reachable in graph.owned_storages():
-            graph.claim.own(ptr, sid, reachable)
-            self._owners[ptr] = graph
-        if arena is not None:
-            for ptr in arena.claim.storages:
-                self._owners[ptr] = arena
-        for ptr, (lender, sid, before) in lenders.items():
-            if ptr in lender.storages:
-                graph.borrow(lender, ptr, _compat.storage_use_count(sid) - before)
-        graph.settle(len(self._pooled))
-        self._pooled.append(graph)
+    def register(self, graph: GraphInstance, lenders: Dict[int, Tuple[Any, int, int]]) -> None:
+        """A new graph: its memory in the registry (`lenders`: MemoryRegistry.lenders, measured before the
+        capture), it among the live graphs, its capture in the counters and the capture wave."""
+        self.memory.register(graph, lenders)
         self._live[id(graph)] = graph
         captured = graph.captured
         seconds = graph.capture_seconds
@@ -221,64 +174,30 @@ class ModelRuntime:
 
     def discard(self, graph: Optional[GraphInstance]) -> None:
         """Forget a graph (re-capture, fallback, release): release its memory claims so its storage can be freed."""
-        if graph is None:
-            return
-        for ptr in graph.claim.storages:
-            if self._owners.get(ptr) is graph:
-                del self._owners[ptr]
-        if graph.pool_position is not None:
-            self._pooled[graph.pool_position] = None
-        self._live.pop(id(graph), None)
-        arena = graph.arena
-        backward = graph.forget()
-        if arena is not None and not arena.alive:  # its last member: the arena's memory goes with it
-            for ptr in arena.claim.storages:
-                if self._owners.get(ptr) is arena:
-                    del self._owners[ptr]
-        self.discard(backward)
+        while graph is not None:
+            self._live.pop(id(graph), None)
+            graph = self.memory.discard(graph)  # then its backward graph
 
-    def pool_allows(self, graph: GraphInstance) -> bool:
-        """Pool rule (see class docstring): no graph captured after `graph` may be held."""
-        return self.pool_blocker(graph) is None
-
-    def pool_blocker(self, graph: GraphInstance) -> Optional[GraphInstance]:
-        """A graph captured after `graph` that is held (its replay would be overwritten), or None. Looks only at
-        graphs replayed since last found free, latest first, and forgets each found free."""
-        in_flight, position = self._in_flight, graph.pool_position
-        while in_flight and in_flight[-1] > position:
-            later = self._pooled[in_flight[-1]]
-            if later is not None and later.held():
-                return later
-            in_flight.pop()
-        return None
-
-    def note_replay(self, graph: GraphInstance) -> None:
-        """A graph replayed: it is in flight until found free. Its first replay after the call that captured it
-        ends the capture wave."""
-        position = graph.pool_position
-        in_flight = self._in_flight
-        if not in_flight or in_flight[-1] < position:
-            in_flight.append(position)
-        elif in_flight[-1] != position:
-            index = bisect.bisect_left(in_flight, position)
-            if index == len(in_flight) or in_flight[index] != position:
-                in_flight.insert(index, position)
+    def mark_in_flight(self, graph: GraphInstance) -> None:
+        """A graph ran (replayed, or captured and run): in flight for the pool rule until found free. Its first
+        replay after the call that captured it ends the capture wave."""
+        self.memory.mark_in_flight(graph)
         if graph.replays > 1 and self._wave_open:
             self._wave_open = False
             self.log_capture_summary()
 
-    def note_dead(self, graph: GraphInstance) -> None:
-        """A parameter `graph` reads was freed (called from a weak reference's callback): release it at the next
-        call, outside the garbage collector."""
-        self.dead.append(graph)
+    def note_dead(self, runner: Any, graph: GraphInstance) -> None:
+        """A parameter `graph` reads was freed (called from a weak reference's callback): `runner`, the partition
+        that captured it, releases it at the next call, outside the garbage collector."""
+        self.dead.append((runner, graph))
 
     def release_dead(self) -> None:
         """Release the graphs whose parameters were freed (each by the partition that captured it)."""
         dead, self.dead = self.dead, []
-        for graph in dead:
+        for runner, graph in dead:
             if graph.alive:
-                graph.family.part.release_graphs([graph], "a parameter it reads was freed (e.g. replaced by "
-                                                          "load_state_dict(assign=True))", force=True)
+                runner.releaser.release([graph], "a parameter it reads was freed (e.g. replaced by "
+                                                 "load_state_dict(assign=True))", force=True)
 
 
 def live_runtimes() -> List[ModelRuntime]:

@@ -7,7 +7,7 @@ sizes are rarely in flight at the same time, so they write their outputs into on
 memory per output position, as large as the largest size needs. Memory then follows the largest size, not
 the number of sizes.
 
-How (graph.py, runtime/local/family.py and runtime/local/runner.py apply it; this module keeps the arenas and their rules):
+How (runtime/local/instance.py, runtime/local/family.py and runtime/local/runner.py apply it; this module keeps the arenas and their rules):
 - Members: forward, backward or inference graphs of one partition, one kind and one parameter set, at most one
   per input signature. Each writes its fresh outputs into arena views with the output's own shape and strides
   (a device copy inside the graph; its own result is then a temporary) and hands out views of the arena. The

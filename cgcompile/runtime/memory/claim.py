@@ -1,4 +1,4 @@
-"""Who still holds a captured graph's memory: the one answer a graph (graph.py) and an output arena (arena.py) share.
+"""Who still holds a captured graph's memory: the one answer a graph (runtime/local/instance.py) and an output arena (arena.py) share.
 
 A graph owns storages: its static outputs and the input buffers it copies into (an arena owns its blocks). The
 runtime keeps references of its own to them: the static tensors, and the static inputs of graphs that borrow
