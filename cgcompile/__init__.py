@@ -17,7 +17,8 @@ from .tagging import eager_region, tag, tag_modules, tag_of, untag
 from .stats import reset_stats, stats
 
 __all__ = [
-    "ConfigError", "CudaGraphConfig", "HF_FAMILIES", "MEGATRON_ROLES", "Plan", "explain", "CudaGraphImpl", "CudaGraphModule", "CudaGraphScope",
+    "ConfigError", "CudaGraphConfig", "HF_FAMILIES", "MEGATRON_ROLES", "Plan", "explain", "CudaGraphImpl",
+    "CudaGraphModule", "CudaGraphScope",
     "InferenceCudaGraphScope", "capture_step", "eager_region", "release", "reset_stats", "stats", "tag",
     "tag_hf", "tag_megatron", "tag_modules", "tag_of", "transition_cudagraph_scope", "untag",
 ]

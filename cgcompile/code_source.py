@@ -42,7 +42,8 @@ _DATA_DEPENDENT_BREAK = {
         "torch._dynamo.config.capture_dynamic_output_shape_ops=True and dynamic_padding='max' or 'buckets'"),
     CodeSource.TRANSFORMERS: (
         "transformers 5's eager experts loop (`for expert_idx in expert_hit`) runs in Python after this "
-        "data-dependent size, so dynamic_padding cannot pad it: use experts_implementation='grouped_mm' (the default), which traces without a break"),
+        "data-dependent size, so dynamic_padding cannot pad it: use experts_implementation='grouped_mm' (the default), "
+        "which traces without a break"),
     CodeSource.MEGATRON_CORE: (
         "Megatron-Core's token dispatcher sizes its buffers by the routing (tokens per expert, read on the host): "
         "leave the dispatch eager as Megatron's partial CUDA graphs do (cgcompile.tag_megatron(model), "

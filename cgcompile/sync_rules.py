@@ -113,7 +113,8 @@ OP_RULES: Tuple[SyncRule, ...] = (
     SyncRule("cudagraph_unsafe", Reason.CUDAGRAPH_UNSAFE, "is tagged cudagraph_unsafe (it syncs or reads host memory)",
              "the op's author marked it unsafe to capture; it runs eagerly",
              lambda f, a, k, cuda: torch.Tag.cudagraph_unsafe in tags_of(f)),
-    SyncRule("dynamic_output_shape", Reason.DYNAMIC_SHAPE, "has a data-dependent output shape (its size is read on the host)",
+    SyncRule("dynamic_output_shape", Reason.DYNAMIC_SHAPE,
+             "has a data-dependent output shape (its size is read on the host)",
              "use a static-shape form (torch.nonzero_static, output_size=, or pad each group to a fixed capacity)",
              lambda f, a, k, cuda: torch.Tag.dynamic_output_shape in tags_of(f)
              and not _static_dynamic_shape_form(f, a, k)),

@@ -112,6 +112,32 @@ def test_the_guard_rejects_each_rule_and_the_plan_keeps_it_eager(rule):
     assert planned_eager_at(plan, sync_line(op)), str(plan)
 
 
+def index_put_function(x):
+    return torch.index_put(x, (x < 0,), torch.zeros(()))  # SYNC
+
+
+def index_put_method(x):
+    return x.clone().index_put_((x < 0,), torch.zeros(()))  # SYNC
+
+
+def masked_select(x):
+    return x.masked_select(x > 0).sum() + x  # SYNC
+
+
+def item(x):
+    return x * x.sum().item()  # SYNC
+
+
+@pytest.mark.parametrize("op", [index_put_function, index_put_method, masked_select, item],
+                         ids=lambda op: op.__name__)
+def test_other_forms_of_the_rules_are_planned_eager(op):
+    """The same rules reached through other spellings: torch.index_put, Tensor.index_put_, masked_select,
+    .item()."""
+    with torch._dynamo.config.patch(**DYNAMO_FLAGS):
+        plan = cgcompile.explain(Probe(op), torch.randn(4, 4), options=OPTIONS)
+    assert planned_eager_at(plan, sync_line(op)), str(plan)
+
+
 def python_reads_graph(method: str) -> fx.GraphModule:
     graph = fx.Graph()
     x = graph.placeholder("x")

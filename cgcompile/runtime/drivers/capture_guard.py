@@ -3,8 +3,9 @@
 A real CUDA capture rejects a host sync with "operation not permitted when stream is capturing", and torch
 cannot always unwind such a failure cleanly; so the CUDA driver's warmup run and every emulated capture run
 under this guard. It sees a sync in two ways:
-- aten ops, through a dispatch mode (cgcompile/sync_rules.py says which ops sync, for the plan too); higher-order operators (activation
-  checkpointing's `run_and_save_rng_state`, ...) pass through it, their inner op checked too;
+- aten ops, through a dispatch mode (cgcompile/sync_rules.py says which ops sync, for the plan too);
+  higher-order operators (activation checkpointing's `run_and_save_rng_state`, ...) pass through it, their inner
+  op checked too;
 - Python-level reads that bypass the dispatcher where a mode cannot see them, e.g. inside a custom op's
   Python kernel: `Tensor.item/tolist/cpu/numpy`, `bool/int/float(tensor)`, and `torch.cuda.synchronize`,
   `empty_cache` and stream/event `synchronize`. These are patched while a guard is active on any thread, and
