@@ -17,8 +17,8 @@ import torch
 
 from .reasons import Reason
 
-__all__ = ["DEVICE_SYNCS", "OP_RULES", "SyncRule", "TENSOR_READS", "TensorRead", "arg", "has_mask", "op_sync_rule",
-           "rule_named", "tags_of"]
+__all__ = ["DEVICE_SYNCS", "HOST_COPY_HINT", "OP_RULES", "SyncRule", "TENSOR_READS", "TensorRead", "copy_detail",
+           "op_sync_rule"]
 
 
 @dataclass(frozen=True)
@@ -42,17 +42,17 @@ class TensorRead:
     hint: str
 
 
-def arg(args: Sequence[Any], kwargs: dict, index: int, name: str, default: Any = None) -> Any:
+def _arg(args: Sequence[Any], kwargs: dict, index: int, name: str, default: Any = None) -> Any:
     return args[index] if len(args) > index else kwargs.get(name, default)
 
 
-def has_mask(indices: Any) -> bool:
+def _has_mask(indices: Any) -> bool:
     """Whether an index list holds a boolean (or uint8) mask: its positions are found on the host."""
     return isinstance(indices, (list, tuple)) and any(
         isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
 
 
-def tags_of(func: Any) -> frozenset:
+def _tags_of(func: Any) -> frozenset:
     """An overload's tags; for a packet, those of any overload (a call that could not be resolved)."""
     if isinstance(func, torch._ops.OpOverloadPacket):
         try:
@@ -70,11 +70,11 @@ def _static_dynamic_shape_form(func: Any, args: Sequence[Any], kwargs: dict) -> 
     """The forms of a dynamic-output-shape op whose size is known without reading data."""
     packet = _packet(func)
     if packet is torch.ops.aten.index:  # only boolean-mask indexing has a data-dependent shape
-        return not has_mask(arg(args, kwargs, 1, "indices", ()))
+        return not _has_mask(_arg(args, kwargs, 1, "indices", ()))
     if packet is torch.ops.aten.repeat_interleave:
         return kwargs.get("output_size") is not None
     if packet is torch.ops.aten.one_hot:
-        return arg(args, kwargs, 1, "num_classes", -1) != -1
+        return _arg(args, kwargs, 1, "num_classes", -1) != -1
     return False
 
 
@@ -109,18 +109,18 @@ HOST_COPY_HINT = "move the host copy out of the captured region, or keep the ten
 OP_RULES: Tuple[SyncRule, ...] = (
     SyncRule("data_dependent_output", Reason.HOST_SYNC, "reads a device value on the host",
              "compare on the device and keep the result a tensor",
-             lambda f, a, k, cuda: torch.Tag.data_dependent_output in tags_of(f)),
+             lambda f, a, k, cuda: torch.Tag.data_dependent_output in _tags_of(f)),
     SyncRule("cudagraph_unsafe", Reason.CUDAGRAPH_UNSAFE, "is tagged cudagraph_unsafe (it syncs or reads host memory)",
              "the op's author marked it unsafe to capture; it runs eagerly",
-             lambda f, a, k, cuda: torch.Tag.cudagraph_unsafe in tags_of(f)),
+             lambda f, a, k, cuda: torch.Tag.cudagraph_unsafe in _tags_of(f)),
     SyncRule("dynamic_output_shape", Reason.DYNAMIC_SHAPE,
              "has a data-dependent output shape (its size is read on the host)",
              "use a static-shape form (torch.nonzero_static, output_size=, or pad each group to a fixed capacity)",
-             lambda f, a, k, cuda: torch.Tag.dynamic_output_shape in tags_of(f)
+             lambda f, a, k, cuda: torch.Tag.dynamic_output_shape in _tags_of(f)
              and not _static_dynamic_shape_form(f, a, k)),
     SyncRule("bool_mask_index_put", Reason.HOST_SYNC, "with a boolean mask finds the masked positions on the host",
              "write through the mask on the device: t.masked_fill_(mask, value) or torch.where(mask, value, t)",
-             lambda f, a, k, cuda: _packet(f) in _INDEX_PUT and has_mask(arg(a, k, 1, "indices", ()))),
+             lambda f, a, k, cuda: _packet(f) in _INDEX_PUT and _has_mask(_arg(a, k, 1, "indices", ()))),
     SyncRule("linalg_check_errors", Reason.HOST_SYNC,
              "reads a linalg result's error codes on the host (pass check_errors=False / use *_ex)",
              "call the *_ex form (torch.linalg.inv_ex, ...) and check its info tensor outside the captured region",
@@ -129,7 +129,7 @@ OP_RULES: Tuple[SyncRule, ...] = (
              "with min == max reads the input's range on the host (pass an explicit range)",
              "pass min= and max= explicitly",
              lambda f, a, k, cuda: _packet(f) is torch.ops.aten.histc
-             and arg(a, k, 2, "min", 0) == arg(a, k, 3, "max", 0)),
+             and _arg(a, k, 2, "min", 0) == _arg(a, k, 3, "max", 0)),
     SyncRule("host_device_copy", Reason.HOST_SYNC, "copies between host memory and the GPU", HOST_COPY_HINT,
              lambda f, a, k, cuda: cuda and _copy_between_host_and_device(f, a, k) is not None),
     SyncRule("tensor_from_python_data", Reason.HOST_SYNC,
@@ -170,6 +170,3 @@ def copy_detail(func: Any, args: Sequence[Any], kwargs: dict) -> Optional[str]:
     """What a host/device copy does, for the guard's message (None: not such a copy)."""
     return _copy_between_host_and_device(func, args, kwargs)
 
-
-def rule_named(name: str) -> SyncRule:
-    return next(rule for rule in OP_RULES if rule.name == name)

@@ -124,15 +124,19 @@ def masked_select(x):
     return x.masked_select(x > 0).sum() + x  # SYNC
 
 
+def inverse(x):
+    return (x @ x.T + torch.eye(4)).inverse()  # SYNC
+
+
 def item(x):
     return x * x.sum().item()  # SYNC
 
 
-@pytest.mark.parametrize("op", [index_put_function, index_put_method, masked_select, item],
+@pytest.mark.parametrize("op", [index_put_function, index_put_method, masked_select, inverse, item],
                          ids=lambda op: op.__name__)
 def test_other_forms_of_the_rules_are_planned_eager(op):
     """The same rules reached through other spellings: torch.index_put, Tensor.index_put_, masked_select,
-    .item()."""
+    Tensor.inverse, .item()."""
     with torch._dynamo.config.patch(**DYNAMO_FLAGS):
         plan = cgcompile.explain(Probe(op), torch.randn(4, 4), options=OPTIONS)
     assert planned_eager_at(plan, sync_line(op)), str(plan)

@@ -99,11 +99,14 @@ def _index_list(index: Any) -> "list | None":
     return items if any(isinstance(i, torch.Tensor) for i in items) else None
 
 
-def _has_check_free_form(target: Any) -> bool:
-    """torch.linalg.inv, .cholesky, ... (torch._C._linalg.linalg_inv in the graph): an `_ex` twin exists because
-    the plain form reads its error codes on the host."""
+def _checks_linalg_errors(node: fx.Node) -> bool:
+    """torch.linalg.inv, .cholesky, .solve, .lu_factor, .ldl_factor (torch._C._linalg.linalg_inv in the graph):
+    an `_ex` twin exists because the plain form reads its error codes on the host; torch.inverse is linalg.inv."""
+    target = node.target
+    if target is torch.inverse or (node.op == "call_method" and target == "inverse"):
+        return True
     name = getattr(target, "__name__", None)
-    return (isinstance(name, str) and getattr(torch._C._linalg, name, None) is target
+    return (node.op == "call_function" and isinstance(name, str) and getattr(torch._C._linalg, name, None) is target
             and hasattr(torch._C._linalg, f"{name}_ex"))
 
 
@@ -131,7 +134,7 @@ def aten_call(node: fx.Node) -> "tuple | None":
         if target is operator.setitem:
             return torch.ops.aten.index_put_, (args[0], indices, args[2]), {}
         return torch.ops.aten.index, (args[0], indices), {}
-    if _has_check_free_form(target):
+    if _checks_linalg_errors(node):
         return torch.ops.aten._linalg_check_errors, (), {}
     if target in (torch.tensor, torch.as_tensor) and args and not isinstance(args[0], torch.Tensor):
         return (torch.ops.aten.lift_fresh, (), {}) if _copied_to_device(node) else None
