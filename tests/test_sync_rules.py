@@ -6,6 +6,7 @@ Megatron-Core's `masked_target[target_mask] = 0` (a boolean-mask index_put) was 
 import inspect
 import re
 
+import expecttest
 import pytest
 import torch
 import torch.fx as fx
@@ -257,3 +258,17 @@ def test_bool_mask_assignment_is_planned_eager_and_falls_back_nowhere(cls, marke
     for ours, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=0)
     cgcompile.release()
+
+
+class TestPinnedWording(expecttest.TestCase):
+    def test_bool_mask_assignment_in_the_plan(self):
+        torch._dynamo.reset()
+        plan = cgcompile.explain(InFunction(), torch.randn(4, 8), torch.tensor([1, -1, 3, 2]), options=OPTIONS)
+        [finding] = [f for g in plan.graphs for p in g.partitions for f in p.reasons]
+        table = "\n".join(str(plan).splitlines()[2:])
+        self.assertExpectedInline(f"{table}\n{finding.detail}\nfix: {finding.hint}", """\
+id  kind     tags  module  ops  first reason
+ 0  capture  -     -         3  -
+ 1  eager    -     -         2  host_sync: operator.setitem at test_sync_rules.py:205
+aten.index_put_ with a boolean mask finds the masked positions on the host
+fix: write through the mask on the device: t.masked_fill_(mask, value) or torch.where(mask, value, t)""")
