@@ -45,8 +45,9 @@ WHEELS ?=
 gpu-check:
 	$(GPU_PYTHON) benchmarks/gpu_check.py --report "$(REPORT)" $(if $(WHEELS),--wheels "$(WHEELS)")
 
-# Megatron-Core parity, live: the parity cases through megatron.core itself (it needs Python >= 3.12 and torch;
-# PyPI's torch, a large download, is installed into that venv on first use). MCORE_VENV=... reuses a venv.
+# Megatron-Core parity, live: the parity cases through megatron.core itself, and a tiny GPTModel tagged with
+# tag_megatron trained against eager (it needs Python >= 3.12 and torch; PyPI's torch, a large download, is
+# installed into that venv on first use). MCORE_VENV=... reuses a venv.
 MCORE_PYTHON ?= python3.12
 MCORE_VENV ?= .venv-mcore
 MCORE_PY := $(MCORE_VENV)/bin/python
@@ -57,7 +58,7 @@ $(MCORE_VENV)/.installed:
 	touch $@
 
 megatron-parity: $(MCORE_VENV)/.installed
-	PYTHONPATH=$(CURDIR) $(MCORE_PY) -m pytest -q -p no:cacheprovider tests/test_megatron_parity.py
+	PYTHONPATH=$(CURDIR) $(MCORE_PY) -m pytest -q -p no:cacheprovider tests/test_megatron_parity.py tests/test_megatron_train.py
 
 # Re-record tests/data/megatron_core_<version>.json from the installed megatron-core.
 megatron-record: $(MCORE_VENV)/.installed

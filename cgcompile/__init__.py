@@ -9,6 +9,7 @@ from .config import CudaGraphConfig, CudaGraphImpl, CudaGraphModule, CudaGraphSc
 from .errors import ConfigError
 from .explain import Plan, explain
 from .hf import HF_FAMILIES, tag_hf
+from .megatron_tags import MEGATRON_ROLES, tag_megatron
 from .runtime.release import release
 from .runtime.frame.whole_step import capture_step
 from .scope import transition_cudagraph_scope
@@ -16,7 +17,8 @@ from .tagging import eager_region, tag, tag_modules, tag_of, untag
 from .stats import reset_stats, stats
 
 __all__ = [
-    "ConfigError", "CudaGraphConfig", "HF_FAMILIES", "Plan", "explain", "CudaGraphImpl", "CudaGraphModule", "CudaGraphScope",
+    "ConfigError", "CudaGraphConfig", "HF_FAMILIES", "MEGATRON_ROLES", "Plan", "explain", "CudaGraphImpl",
+    "CudaGraphModule", "CudaGraphScope",
     "InferenceCudaGraphScope", "capture_step", "eager_region", "release", "reset_stats", "stats", "tag",
-    "tag_hf", "tag_modules", "tag_of", "transition_cudagraph_scope", "untag",
+    "tag_hf", "tag_megatron", "tag_modules", "tag_of", "transition_cudagraph_scope", "untag",
 ]

@@ -7,21 +7,25 @@ visual.plan_to_html directly while plan.py stays plain data that those renderers
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 import torch
 
 from . import _compat
-from .frame_plan import make_plan
+from .code_source import data_dependent_break_hint, source_of
 from .config import CudaGraphConfig
 from .diagnostics import format_plan
+from .frame_plan import make_plan
 from .frame_root import anchor_module_stacks, frame_root
 from .model_state import preserved_model_state
 from .passes import module_regions
 from .plan import GraphBreak, GraphPlan
 from .planner import check_selected_tags, graph_tags
 from .visual import plan_to_html
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 @dataclass
@@ -45,6 +49,12 @@ class Plan:
         return plan_to_html(self, path)
 
 
+def _user_frames(reason: Any) -> list:
+    """The frames of the user's stack at a break, innermost last, torch's own (that Dynamo inlined) left out."""
+    stack = getattr(reason, "user_stack", None) or []
+    return [frame for frame in stack if not os.path.abspath(frame.filename).startswith(_TORCH_DIR)] or list(stack)
+
+
 def _break_location(reason: Any) -> Optional[str]:
     stack = getattr(reason, "user_stack", None) or []
     if not stack:
@@ -53,18 +63,14 @@ def _break_location(reason: Any) -> Optional[str]:
     return f"{frame.filename}:{frame.lineno}"
 
 
-_DATA_DEPENDENT_BREAK_HINT = (
-    "the code after this data-dependent size, such as transformers 5's eager experts loop `for expert_idx in "
-    "expert_hit`, runs in Python, so dynamic_padding cannot pad it: loop over a fixed range (`for e in "
-    "range(num_experts): idx, top = torch.where(mask[e])`) with torch._dynamo.config."
-    "capture_dynamic_output_shape_ops=True and dynamic_padding='max' or 'buckets', or for transformers models "
-    "use experts_implementation='grouped_mm' (the default), which traces without a break")
-
-
-def _break_hint(reason: str) -> Optional[str]:
-    """The fix for a Dynamo break cgcompile knows how to remove."""
+def _break_hint(reason: Any, text: str) -> Optional[str]:
+    """The fix for a Dynamo break cgcompile knows how to remove, in the words of the code that breaks
+    (transformers, torchtitan, Megatron-Core, the user's own)."""
     data_dependent = ("Dynamic shape operator", "data-dependent", "Data-dependent", "unbacked")
-    return _DATA_DEPENDENT_BREAK_HINT if any(word in reason for word in data_dependent) else None
+    if not any(word in text for word in data_dependent):
+        return None
+    frames = _user_frames(reason)
+    return data_dependent_break_hint(source_of(frames[-1].filename if frames else None))
 
 
 def _anchored_graph(gm, example_inputs):
@@ -109,7 +115,7 @@ def explain(model_or_fn, *args: Any, options: Optional[dict] = None, **kwargs: A
     seen = set()
     for reason in output.break_reasons:
         text = str(getattr(reason, "reason", reason))
-        brk = GraphBreak(text, _break_location(reason), _break_hint(text))
+        brk = GraphBreak(text, _break_location(reason), _break_hint(reason, text))
         if brk not in seen:
             seen.add(brk)
             plan.graph_breaks.append(brk)

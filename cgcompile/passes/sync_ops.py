@@ -1,28 +1,27 @@
 """Host syncs: ops that make the CPU wait for a device value. They cannot run inside a CUDA graph
-("operation not permitted when stream is capturing"), so they stay eager."""
+("operation not permitted when stream is capturing"), so they stay eager.
+
+The rules are cgcompile/sync_rules.py's, the ones the capture guard applies at run time: each node is read as
+the aten call it makes (`t[mask] = v` is `index_put_` with a boolean index) and asked of that table, so the plan
+never marks "capture" what the guard would reject. The bodies of higher-order ops (an autograd.Function,
+`wrap`) are read too: a sync inside makes the whole op eager."""
 
 from __future__ import annotations
 
-from typing import Dict, List
+import operator
+from dataclasses import replace
+from typing import Any, Dict, List
 
 import torch
 import torch.fx as fx
 
+from .. import _compat
+from ..code_source import CodeSource, host_read_hint, source_of
 from ..reasons import Finding, Reason
-from .common import (compute_nodes, example_value, finding, has_tag, input_unbacked_symbols, is_scalar_input_read,
-                     unbacked_symbols)
+from ..sync_rules import DEVICE_SYNCS, HOST_COPY_HINT, TENSOR_READS, op_sync_rule
+from .common import (aten_packet, compute_nodes, example_value, finding, input_unbacked_symbols,
+                     is_scalar_input_read, module_stack, node_location, unbacked_symbols)
 from .padding_marks import PADDED, bucketed_read
-
-_SCALAR_METHODS = {
-    "item": "keep the value on the device as a 0-d tensor (e.g. torch.where instead of a Python if)",
-    "tolist": "use fixed split sizes (pad each group to a capacity) so no host copy is needed",
-    "__bool__": "avoid Python control flow on tensor values; use torch.where",
-    "__int__": "keep the value on the device as a tensor",
-    "__float__": "keep the value on the device as a tensor",
-    "numpy": "move the host copy out of the captured region",
-    "cpu": "move the host copy out of the captured region, or keep the tensor on the device",
-}
-_CPU_COPY_HINT = _SCALAR_METHODS["cpu"]
 
 # Library custom ops whose kernel reads a device value on the host. Their schema cannot say so (an opaque
 # op), yet a CUDA capture fails on them, so the plan must keep them eager: op name -> (detail, hint).
@@ -90,6 +89,127 @@ def _produces_unbacked_scalar(node: fx.Node) -> bool:
     return any(unbacked_symbols(v, known) for v in scalars)
 
 
+def _example_arguments(node: fx.Node) -> tuple:
+    return fx.node.map_arg((node.args, node.kwargs), example_value)
+
+
+def _index_list(index: Any) -> "list | None":
+    """The aten indices of a Python subscript holding a tensor (`t[mask]`, `t[:, idx]`), else None."""
+    items = list(index) if isinstance(index, (tuple, list)) else [index]
+    return items if any(isinstance(i, torch.Tensor) for i in items) else None
+
+
+def _checks_linalg_errors(node: fx.Node) -> bool:
+    """torch.linalg.inv, .cholesky, .solve, .lu_factor, .ldl_factor (torch._C._linalg.linalg_inv in the graph):
+    an `_ex` twin exists because the plain form reads its error codes on the host; torch.inverse is linalg.inv."""
+    target = node.target
+    if target is torch.inverse or (node.op == "call_method" and target == "inverse"):
+        return True
+    name = getattr(target, "__name__", None)
+    return (node.op == "call_function" and isinstance(name, str) and getattr(torch._C._linalg, name, None) is target
+            and hasattr(torch._C._linalg, f"{name}_ex"))
+
+
+def _copied_to_device(node: fx.Node) -> bool:
+    """Whether a tensor made of Python data is copied to the device: made on CUDA, or made on the CPU of a
+    CPU model (which stands for the GPU, as in the emulate driver); a CPU tensor beside a GPU model is no copy."""
+    value = example_value(node)
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        return True
+    inputs = (example_value(n) for n in node.graph.nodes if n.op == "placeholder")
+    return not any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in inputs)
+
+
+def aten_call(node: fx.Node) -> "tuple | None":
+    """(op, args, kwargs): the aten call a graph node makes, with the values Dynamo recorded, as the sync
+    rules read it (an overload where the arguments select one, else the overload packet); None for no aten op."""
+    args, kwargs = _example_arguments(node)
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target, args, kwargs
+    if target in (operator.setitem, operator.getitem) and args and isinstance(args[0], torch.Tensor):
+        indices = _index_list(args[1])
+        if indices is None:
+            return None
+        if target is operator.setitem:
+            return torch.ops.aten.index_put_, (args[0], indices, args[2]), {}
+        return torch.ops.aten.index, (args[0], indices), {}
+    if _checks_linalg_errors(node):
+        return torch.ops.aten._linalg_check_errors, (), {}
+    if target in (torch.tensor, torch.as_tensor) and args and not isinstance(args[0], torch.Tensor):
+        return (torch.ops.aten.lift_fresh, (), {}) if _copied_to_device(node) else None
+    packet = aten_packet(node)
+    if packet is None:
+        return None
+    return _compat.resolve_overload(packet, args, kwargs) or packet, args, kwargs
+
+
+def _is_device_sync(node: fx.Node) -> "str | None":
+    """What a call that waits for the device is (a method call names every class that has such a method)."""
+    if node.op == "call_method":
+        whats = [what for owner, name, what in DEVICE_SYNCS if isinstance(owner, type) and name == node.target]
+        return " or ".join(whats) or None
+    return next((what for owner, name, what in DEVICE_SYNCS if node.target is getattr(owner, name, None)), None)
+
+
+def _node_source(node: fx.Node) -> CodeSource:
+    """Whose code the op is written in: the file of its line, else its innermost module's class."""
+    location = node_location(node)
+    stack = module_stack(node)
+    module = getattr(stack[-1][1], "__module__", None) if stack else None
+    return source_of(location.rpartition(":")[0] if location else None, module)
+
+
+def _node_findings(node: fx.Node, nested: bool) -> List[Finding]:
+    """Why the node syncs, by the shared rules, with the fix worded for whose code it is (a library's knob
+    where the user cannot edit the line)."""
+    if _library_op_name(node) in _SYNCING_LIBRARY_OPS:  # the library's own op: its hint names its own fix
+        detail, hint = _SYNCING_LIBRARY_OPS[_library_op_name(node)]
+        return [finding(node, Reason.HOST_SYNC, hint=hint, detail=detail)]
+    found = _rule_findings(node, nested)
+    if not found:
+        return found
+    source = _node_source(node)
+    return [replace(f, hint=host_read_hint(source, f.hint)) for f in found]
+
+
+def _rule_findings(node: fx.Node, nested: bool) -> List[Finding]:
+    """At the top level the rules of other categories (a dynamic shape, an op tagged cudagraph_unsafe) are left
+    to their own passes; inside a higher-order op's body no other pass looks, so every rule counts there."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
+    if node.op == "call_method" and name in TENSOR_READS:
+        return [finding(node, Reason.HOST_SYNC, hint=TENSOR_READS[name].hint,
+                        detail=f"Tensor.{name}() copies a device value to the host")]
+    if _copies_to_cpu(node):
+        return [finding(node, Reason.HOST_SYNC, hint=HOST_COPY_HINT, detail="copies a tensor to the CPU")]
+    device_sync = _is_device_sync(node)
+    if device_sync is not None:
+        return [finding(node, Reason.HOST_SYNC, hint="move it out of the captured region",
+                        detail=f"{device_sync} waits for the device")]
+    call = aten_call(node)
+    rule = op_sync_rule(*call, on_cuda=False) if call is not None else None
+    if rule is not None and (nested or rule.reason is Reason.HOST_SYNC):
+        category: Reason = rule.reason
+        return [finding(node, category, hint=rule.hint, detail=f"{call[0]} {rule.detail}")]
+    if _produces_unbacked_scalar(node):
+        return [finding(node, Reason.HOST_SYNC, hint=TENSOR_READS["item"].hint,
+                        detail="produces a Python scalar from device data")]
+    return []
+
+
+def _body_findings(gm: fx.GraphModule, node: fx.Node) -> List[Finding]:
+    """The syncs inside the graph bodies a higher-order op runs (an autograd.Function's forward and backward)."""
+    if not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return []
+    found: List[Finding] = []
+    for body_node in node.all_input_nodes:
+        body = getattr(gm, body_node.target, None) if body_node.op == "get_attr" else None
+        if isinstance(body, fx.GraphModule):
+            for inner in compute_nodes(body):
+                found += _node_findings(inner, nested=True) + _body_findings(body, inner)
+    return found
+
+
 def find_host_syncs(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
     found: Dict[fx.Node, List[Finding]] = {}
     for node in compute_nodes(gm):
@@ -105,22 +225,7 @@ def find_host_syncs(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
                                    detail=f"dynamic_padding='buckets' reads {what} on the host once and pads "
                                           f"to the next bucket")]
             continue
-        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
-        if node.op == "call_method" and name in _SCALAR_METHODS:
-            found[node] = [finding(node, Reason.HOST_SYNC, hint=_SCALAR_METHODS[name],
-                                   detail=f"Tensor.{name}() copies a device value to the host")]
-        elif node.target in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
-            found[node] = [finding(node, Reason.HOST_SYNC, hint=_SCALAR_METHODS["item"],
-                                   detail="reads a device scalar on the host")]
-        elif _library_op_name(node) in _SYNCING_LIBRARY_OPS:
-            detail, hint = _SYNCING_LIBRARY_OPS[_library_op_name(node)]
-            found[node] = [finding(node, Reason.HOST_SYNC, hint=hint, detail=detail)]
-        elif _copies_to_cpu(node):
-            found[node] = [finding(node, Reason.HOST_SYNC, hint=_CPU_COPY_HINT, detail="copies a tensor to the CPU")]
-        elif has_tag(node, torch.Tag.data_dependent_output):
-            found[node] = [finding(node, Reason.HOST_SYNC, hint="compare on the device and keep the result a tensor",
-                                   detail="its Python result depends on device values")]
-        elif _produces_unbacked_scalar(node):
-            found[node] = [finding(node, Reason.HOST_SYNC, hint=_SCALAR_METHODS["item"],
-                                   detail="produces a Python scalar from device data")]
+        findings = _node_findings(node, nested=False) + _body_findings(gm, node)
+        if findings:
+            found[node] = findings
     return found

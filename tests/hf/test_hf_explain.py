@@ -1,6 +1,6 @@
 """explain() on transformers 5's eager experts loop: Dynamo breaks at the loop over `nonzero()`, and the plan
-says so at the HF line with the fix a user has (a fixed-range loop with dynamic_padding, or
-experts_implementation="grouped_mm")."""
+says so at the HF line with the fix a transformers user has (experts_implementation="grouped_mm"; the hint
+is worded for transformers' code, cgcompile/code_source.py)."""
 
 import os
 
@@ -19,6 +19,6 @@ def test_eager_experts_loop_break_names_its_line_and_the_fix():
     assert "experts_implementation='grouped_mm'" in brk.hint and "dynamic_padding" in brk.hint
     assert brk.to_json()["hint"] == brk.hint
     text = str(plan)
-    assert "fix: the code after this data-dependent size" in text and " at ?" not in text
+    assert "fix: transformers 5's eager experts loop" in text and " at ?" not in text
     # the plan still runs: every graph of the broken frame captured or eager with a reason, none unexplained
     assert all(p.captured or p.reasons for graph in plan.graphs for p in graph.partitions)

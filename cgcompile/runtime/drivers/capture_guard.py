@@ -3,8 +3,9 @@
 A real CUDA capture rejects a host sync with "operation not permitted when stream is capturing", and torch
 cannot always unwind such a failure cleanly; so the CUDA driver's warmup run and every emulated capture run
 under this guard. It sees a sync in two ways:
-- aten ops, through a dispatch mode (runtime/drivers/host_sync.py says which ops sync); higher-order operators (activation
-  checkpointing's `run_and_save_rng_state`, ...) pass through it, their inner op checked too;
+- aten ops, through a dispatch mode (cgcompile/sync_rules.py says which ops sync, for the plan too);
+  higher-order operators (activation checkpointing's `run_and_save_rng_state`, ...) pass through it, their inner
+  op checked too;
 - Python-level reads that bypass the dispatcher where a mode cannot see them, e.g. inside a custom op's
   Python kernel: `Tensor.item/tolist/cpu/numpy`, `bool/int/float(tensor)`, and `torch.cuda.synchronize`,
   `empty_cache` and stream/event `synchronize`. These are patched while a guard is active on any thread, and
@@ -22,6 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 import torch
 
 from ... import _compat
+from ...sync_rules import DEVICE_SYNCS, TENSOR_READS
 from .base import SYNC_MESSAGE, CaptureError
 from .host_sync import host_sync_reason
 
@@ -55,10 +57,6 @@ _installed: Dict[Tuple[Any, str], Any] = {}  # (owner, attribute) -> its own ent
 _INHERITED = object()  # the attribute came from a base class (torch.Tensor's methods live on TensorBase)
 _active = 0
 
-_TENSOR_READS = {"item": "Tensor.item()", "tolist": "Tensor.tolist()", "cpu": "Tensor.cpu()",
-                 "numpy": "Tensor.numpy()", "__bool__": "bool(tensor)", "__int__": "int(tensor)",
-                 "__float__": "float(tensor)"}
-
 
 def _guarded_on_this_thread() -> Any:
     return getattr(_local, "on_cuda", None)
@@ -84,12 +82,9 @@ def _device_sync(original: Callable, what: str) -> Callable:
 
 
 def _patches() -> List[Tuple[Any, str, Callable]]:
-    found = [(torch.Tensor, name, _tensor_read(getattr(torch.Tensor, name), what))
-             for name, what in _TENSOR_READS.items()]
-    for owner, name, what in ((torch.cuda, "synchronize", "torch.cuda.synchronize()"),
-                              (torch.cuda, "empty_cache", "torch.cuda.empty_cache()"),
-                              (torch.cuda.Stream, "synchronize", "Stream.synchronize()"),
-                              (torch.cuda.Event, "synchronize", "Event.synchronize()")):
+    found = [(torch.Tensor, name, _tensor_read(getattr(torch.Tensor, name), read.what))
+             for name, read in TENSOR_READS.items()]
+    for owner, name, what in DEVICE_SYNCS:
         found.append((owner, name, _device_sync(getattr(owner, name), what)))
     return found
 
