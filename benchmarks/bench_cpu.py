@@ -367,10 +367,10 @@ def print_scale(quick: bool, repeats: int) -> None:
     small, large = 12, 48
     found = scale_cost.run(small, large, repeats)
     print(f"\n(h) scale at depth: {large} vs {small} layers, {scale_cost.EXPERTS} experts top-{scale_cost.TOP_K} per "
-          f"layer, hidden {scale_cost.HIDDEN}, training step, driver=emulate, medians of {repeats}")
+          f"layer, hidden {scale_cost.HIDDEN}, training step, driver=emulate, process CPU time, medians of {repeats}")
     for what, a, b, ratio, verdict in scale_cost.table(found, small, large):
-        goal = f"<= {scale_cost.GOAL:.2f}x" if verdict != "-" else ""
-        print(f"  {what}: {fmt_time(a)} vs {fmt_time(b)}: {ratio:.2f}x {goal}  {verdict}".rstrip())
+        goal = f" <= {scale_cost.GOAL:.2f}x" if verdict != "-" else ""
+        print(f"  {what}: {fmt_time(a)} vs {fmt_time(b)}: {ratio:.2f}x{goal}  {verdict}")
 
 
 def main(argv=None) -> int:

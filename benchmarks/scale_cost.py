@@ -5,7 +5,8 @@ Per model, from one compile (fresh Dynamo state):
   planning  time inside cgcompile's planner (cgcompile.backend.plan_graph, every frame and graph)
   capture   time inside the driver's capture calls (EmulateDriver.capture, forward and backward graphs)
   step      median wall time of a steady training step (every partition replaying), after capture
-Goal (issue 37): each grows linearly with layers: 48 vs 12 layers <= 4.4x.
+Goal (issue 37): each grows linearly with layers: 48 vs 12 layers <= 4.4x. Times are this process's CPU time
+(time.process_time, one torch thread): on a small shared machine, wall time also counts the other processes.
 
 Each layer: RMS-style norm, a linear mixer, a top-8 router over 64 experts, the experts as two 3-D weights
 computed for every token (grouped, no data-dependent shape: the host cost under test is per graph node and per
@@ -30,7 +31,7 @@ import pstats
 import statistics
 import sys
 import time
-from typing import Callable, Dict, Iterator, List
+from typing import Dict, Iterator, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,6 +44,7 @@ from cgcompile.runtime.drivers.emulate import EmulateDriver  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, WIDTH, TOKENS = 64, 8, 32, 16, 32
 GOAL = 4.4  # 48 vs 12 layers (4x the layers)
+CLOCK = time.process_time  # this process's CPU time: a shared, busy machine's other processes do not count
 WARMUP = 3  # cgcompile's default cuda_graph_warmup_steps: the next step captures
 
 
@@ -78,11 +80,11 @@ def timed(owner, name: str, total: List[float]) -> Iterator[None]:
     original = getattr(owner, name)
 
     def wrapper(*args, **kwargs):
-        start = time.perf_counter()
+        start = CLOCK()
         try:
             return original(*args, **kwargs)
         finally:
-            total[0] += time.perf_counter() - start
+            total[0] += CLOCK() - start
 
     setattr(owner, name, wrapper)
     try:
@@ -101,10 +103,10 @@ class GcWatch:
 
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._start = time.perf_counter()
+            self._start = CLOCK()
         else:
             self.count[info["generation"]] += 1
-            self.seconds += time.perf_counter() - self._start
+            self.seconds += CLOCK() - self._start
 
     def __enter__(self) -> "GcWatch":
         gc.callbacks.append(self._callback)
@@ -118,6 +120,7 @@ def measure(layers: int, steps: int = 8, gc_off: bool = False, profile_capture: 
     """One fresh compile of a `layers`-deep model: planning, capture and steady step seconds, gc during capture."""
     torch._dynamo.reset()
     gc.collect()
+    cgcompile.reset_stats()
     model = build(layers)
     compiled = torch.compile(model, backend="cudagraph_modules", options={"driver": "emulate"})
     batches = [torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(i)) for i in range(4)]
@@ -144,9 +147,9 @@ def measure(layers: int, steps: int = 8, gc_off: bool = False, profile_capture: 
             gc.enable()
         times = []
         for i in range(steps):
-            start = time.perf_counter()
+            start = CLOCK()
             step(WARMUP + 1 + i)
-            times.append(time.perf_counter() - start)
+            times.append(CLOCK() - start)
     stats = cgcompile.stats()
     result = {"plan": plan[0], "capture": capture[0], "step": statistics.median(times),
               "graphs": stats["graphs_captured"], "gc_count": watch.count, "gc_seconds": watch.seconds,
@@ -156,7 +159,6 @@ def measure(layers: int, steps: int = 8, gc_off: bool = False, profile_capture: 
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
         body = out.getvalue()
         result["profile"] = body[body.find("   ncalls"):]
-    del compiled, model
     torch._dynamo.reset()
     return result
 

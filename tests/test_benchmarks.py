@@ -359,3 +359,28 @@ def test_bench_cpu_quick_table():
         assert list(hf) == ["eager", "captured"] and hf["eager"][0] == "bfloat16"
         assert float(hf["captured"][2]) < float(hf["eager"][2]) / 4  # kernel ops outside graphs
         assert float(hf["captured"][7]) > 0  # graph replays per step (after "<= 0.05x" and the syncs)
+
+
+def test_scale_table_judges_each_ratio_and_bench_cpu_prints_it(monkeypatch, capsys):
+    """Table (h): planning, capture and step at 48 vs 12 layers, each judged against 4.4x; the gc-off capture row
+    is a diagnosis, never judged (the measurement itself takes minutes: benchmarks/scale_cost.py)."""
+    scale = load_bench("scale_cost")
+
+    def rows(plan, capture, step):
+        return [{"plan": plan, "capture": capture, "step": step, "graphs": 2, "gc_count": [1, 0, 0], "gc_seconds": 0.0}]
+
+    found = {"gc on": {12: rows(1.0, 1.0, 1.0), 48: rows(3.8, 5.8, 4.4)},
+             "gc off": {12: rows(1.0, 1.0, 1.0), 48: rows(3.8, 4.0, 4.4)}}
+    table = {what: (round(ratio, 2), verdict) for what, _, _, ratio, verdict in scale.table(found, 12, 48)}
+    assert table == {"planning": (3.8, "PASS"), "capture": (5.8, "MISS"), "per-step host time": (4.4, "PASS"),
+                     "capture with gc.disable() (diagnosis)": (4.0, "-")}
+    bench_cpu = load_bench("bench_cpu")
+    monkeypatch.setattr(scale, "run", lambda small, large, repeats: found)
+    monkeypatch.setitem(sys.modules, "scale_cost", scale)
+    bench_cpu.print_scale(False, 3)
+    out = capsys.readouterr().out
+    assert "(h) scale at depth: 48 vs 12 layers, 64 experts top-8" in out
+    assert re.search(r"  capture: 1\.00 s vs 5\.80 s: 5\.80x <= 4\.40x  MISS", out), out
+    assert re.search(r"  capture with gc\.disable\(\) \(diagnosis\): 1\.00 s vs 4\.00 s: 4\.00x  -$", out, re.M), out
+    bench_cpu.print_scale(True, 1)
+    assert "left out by --quick" in capsys.readouterr().out
