@@ -49,7 +49,7 @@ gpu-check:
 # Qwen3-MoE training and sync dispatch with dynamic_padding, 8B-shaped decode, the small launch-bound ones) in one
 # 9-minute call (510 s budget, stage by stage, rows appended to $(OUT)/gpu-perf.md as they finish; OUT defaults
 # to gpu-perf-out). It installs with pip install --no-deps --no-build-isolation -e . itself. Without CUDA it
-# prints its stage plan and exits 0.
+# prints its stage plan and exits 0. Stage output goes to $(OUT)/gpu-perf.log; --cpu-plumbing checks the script on a CPU.
 gpu-perf:
 	$(GPU_PYTHON) benchmarks/gpu_perf.py $(if $(OUT),--out "$(OUT)")
 

@@ -9,9 +9,12 @@ for the machine's start). Inside a stage, bench_gpu.py runs cgcompile's rows bef
 variants that would start after the stage's budget (the row says so); Inductor's slow cold compiles
 (reduce-overhead, inductor, cg-local-inductor) come last in each stage. Every row is printed and appended to one
 markdown file as it finishes, so a run killed at any point keeps what it measured; the device, torch, CUDA,
-git commit and date are at the top of that file, each stage's full output in <out>/logs/.
+git commit and date are at the top of that file, every stage's full output in <out>/gpu-perf.log (two files in
+all: a lent machine's $OUT brings back only a few).
 Inductor's compile cache lives in <out>/inductor-cache (TORCHINDUCTOR_CACHE_DIR, kept: a second run on the same
-machine compiles warm) and compiles with parallel workers (TORCHINDUCTOR_COMPILE_THREADS = the CPU count).
+machine compiles warm), except under $OUT, where thousands of cache files would crowd out the report: then in
+$TMPDIR/cgcompile-inductor-cache (--cache-dir chooses); compiles use parallel workers
+(TORCHINDUCTOR_COMPILE_THREADS = the CPU count).
 The install stage is `pip install --no-deps --no-build-isolation -e .` (the machine's torch is kept; offline).
 Goals, judged in the output: padded MoE (qwen3moe-sync, dynamic_padding max / buckets) >= 3x eager and >= 2x
 reduce-overhead; peak memory <= 1.3x eager on the training workloads; decode within 1.1x of its GPU-busy time.
@@ -35,6 +38,7 @@ from typing import List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET_S = 510
 REPORT = "gpu-perf.md"
+LOG = "gpu-perf.log"
 CG_DECODE = "cg-local-eager+block,cg-local-eager+layer,cg-full-iteration"
 SLOW = "reduce-overhead,inductor"  # cold Inductor compiles of a whole model: after cgcompile's rows
 
@@ -90,14 +94,16 @@ def out_dir(arg: Optional[str]) -> str:
     return os.path.abspath(arg or os.environ.get("OUT") or os.path.join(ROOT, "gpu-perf-out"))
 
 
-def header_lines() -> List[str]:
+def header_lines(cuda: bool = True) -> List[str]:
     import torch
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
                            text=True)
-    return [f"- device: {torch.cuda.get_device_name()} ({torch.cuda.device_count()} visible), "
-            f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB",
+    device = (f"- device: {torch.cuda.get_device_name()} ({torch.cuda.device_count()} visible), "
+              f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB" if cuda else
+              "- device: CPU (--cpu-plumbing: bench_gpu.py --cpu-smoke in every stage; numbers meaningless)")
+    return [device,
             f"- torch {torch.__version__}, CUDA {torch.version.cuda}, Python {sys.version.split()[0]}",
             f"- commit: {commit.stdout.strip() or 'unknown'}{' (with local changes)' if dirty.stdout.strip() else ''}",
             f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}"]
@@ -108,10 +114,18 @@ def append(path: str, text: str) -> None:
         f.write(text.rstrip("\n") + "\n")
 
 
+def cache_dir(arg: Optional[str], out: str, explicit_out: bool) -> str:
+    if arg:
+        return os.path.abspath(arg)
+    if os.environ.get("OUT") and not explicit_out:
+        return os.path.join(os.environ.get("TMPDIR", "/tmp"), "cgcompile-inductor-cache")
+    return os.path.join(out, "inductor-cache")
+
+
 def run_stage(argv: List[str], limit_s: float, log_path: str, env: dict) -> str:
-    """Run argv in its own process group, its output echoed line by line and logged; past limit_s the whole group
-    is killed. Returns the status."""
-    with open(log_path, "w") as log:
+    """Run argv in its own process group, its output echoed line by line and appended to log_path; past limit_s
+    the whole group is killed. Returns the status."""
+    with open(log_path, "a") as log:
         log.write(f"$ {' '.join(argv)}  (limit {limit_s:.0f} s)\n")
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1)
@@ -138,7 +152,7 @@ def run_stage(argv: List[str], limit_s: float, log_path: str, env: dict) -> str:
 
 
 def print_plan(budget_s: float, out: str) -> None:
-    print(f"gpu-perf: the stage plan ({budget_s:.0f} s in all; output to {out}/{REPORT}):")
+    print(f"gpu-perf: the stage plan ({budget_s:.0f} s in all; output to {out}/{REPORT} and {LOG}):")
     for stage in stages():
         argv = stage.command("python", f"{out}/{REPORT}")
         print(f"  {stage.name:<15} {stage.limit_s:>4.0f} s  {stage.why}\n                         {' '.join(argv)}")
@@ -150,7 +164,14 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all stages together")
     parser.add_argument("--plan", action="store_true", help="print the stage plan and exit")
     parser.add_argument("--skip-install", action="store_true", help="leave out the install stage")
+    parser.add_argument("--cache-dir", default=None, help="Inductor's cache (default: see above)")
+    parser.add_argument("--stages", default=None, help="comma-separated stage names to run (default: all)")
+    parser.add_argument("--cpu-plumbing", action="store_true",
+                        help="check this script on a CPU: the stages run bench_gpu.py --cpu-smoke, no install")
     args = parser.parse_args(argv)
+    plan = [s for s in stages() if args.stages is None or s.name in args.stages.split(",")]
+    if args.cpu_plumbing:
+        plan = [dataclasses.replace(s, extra=s.extra + ("--cpu-smoke",)) for s in plan if s.name != "install"]
     started = time.monotonic()
     out = out_dir(args.out)
     try:
@@ -158,26 +179,25 @@ def main(argv=None) -> int:
         cuda, why = torch.cuda.is_available(), f"torch {torch.__version__}: torch.cuda.is_available() is False"
     except ImportError as exc:
         cuda, why = False, f"torch cannot be imported ({exc})"
-    if args.plan or not cuda:
+    if args.plan or not (cuda or args.cpu_plumbing):
         if not cuda:
             print(f"gpu-perf: no CUDA device ({why}); nothing was run.")
         print_plan(args.budget, out)
         return 0
-    logs = os.path.join(out, "logs")
-    os.makedirs(logs, exist_ok=True)
-    report = os.path.join(out, REPORT)
+    os.makedirs(out, exist_ok=True)
+    report, log = os.path.join(out, REPORT), os.path.join(out, LOG)
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
-               TORCHINDUCTOR_CACHE_DIR=os.path.join(out, "inductor-cache"),
+               TORCHINDUCTOR_CACHE_DIR=cache_dir(args.cache_dir, out, args.out is not None),
                TORCHINDUCTOR_COMPILE_THREADS=str(os.cpu_count() or 8),
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    head = ["", f"# cgcompile GPU perf ({REPORT})", "", *header_lines(),
+    head = ["", f"# cgcompile GPU perf ({REPORT})", "", *header_lines(cuda and not args.cpu_plumbing),
             f"- budget {args.budget:.0f} s; Inductor cache {env['TORCHINDUCTOR_CACHE_DIR']}, "
             f"{env['TORCHINDUCTOR_COMPILE_THREADS']} compile threads", ""]
     append(report, "\n".join(head))
     print("\n".join(head), flush=True)
     deadline = started + args.budget
     summary = []
-    for stage in stages():
+    for stage in plan:
         if stage.name == "install" and args.skip_install:
             continue
         left = deadline - time.monotonic()
@@ -191,7 +211,7 @@ def main(argv=None) -> int:
         append(report, f"\n## {stage.name} (limit {limit:.0f} s): {stage.why}\n\n`{' '.join(argv[1:])}`")
         print(f"\ngpu-perf: {stage.name} (limit {limit:.0f} s)", flush=True)
         t0 = time.monotonic()
-        status = run_stage(argv, limit, os.path.join(logs, f"{stage.name}.log"), env)
+        status = run_stage(argv, limit, log, env)
         seconds = time.monotonic() - t0
         summary.append((stage.name, status, seconds))
         append(report, f"\nstage {stage.name}: {status} in {seconds:.0f} s")

@@ -384,3 +384,18 @@ def test_scale_table_judges_each_ratio_and_bench_cpu_prints_it(monkeypatch, caps
     assert re.search(r"  capture with gc\.disable\(\) \(diagnosis\): 1\.00 s vs 4\.00 s: 4\.00x  -$", out, re.M), out
     bench_cpu.print_scale(True, 1)
     assert "left out by --quick" in capsys.readouterr().out
+
+
+def test_gpu_perf_cpu_plumbing_writes_the_report_row_by_row(tmp_path):
+    """--cpu-plumbing runs gpu_perf's own loop on the CPU (stages with bench_gpu.py --cpu-smoke): the header, the
+    stage, each row, the table and the stage summary reach the report; two files in the output folder."""
+    out = run_script("gpu_perf.py", "--cpu-plumbing", "--stages", "decode-b1", "--out", str(tmp_path), timeout=120)
+    assert "gpu-perf: decode-b1: ok" in out
+    assert sorted(os.listdir(tmp_path)) == ["gpu-perf.log", "gpu-perf.md", "inductor-cache"] or \
+        sorted(os.listdir(tmp_path)) == ["gpu-perf.log", "gpu-perf.md"]
+    report = (tmp_path / "gpu-perf.md").read_text()
+    assert "- device: CPU (--cpu-plumbing" in report and "- commit: " in report and "- date: " in report
+    assert "## decode-b1 (limit 65 s)" in report
+    assert re.search(r"^- `cg-local-eager\+block`: \d+\.\d+ ms/step, .*\(agrees\)$", report, re.M), report
+    assert re.search(r"^- `reduce-overhead`: skipped: needs CUDA", report, re.M), report
+    assert "| decode-b1 | ok |" in report and "goals (CPU smoke" in report
