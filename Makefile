@@ -51,7 +51,7 @@ gpu-check:
 # to gpu-perf-out). It installs with pip install --no-deps --no-build-isolation -e . itself. Without CUDA it
 # prints its stage plan and exits 0. Stage output goes to $(OUT)/gpu-perf.log; --cpu-plumbing checks the script on a CPU.
 gpu-perf:
-	$(GPU_PYTHON) benchmarks/gpu_perf.py $(if $(OUT),--out "$(OUT)")
+	$(if $(OUT),OUT="$(OUT)") $(GPU_PYTHON) benchmarks/gpu_perf.py
 
 # Megatron-Core parity, live: the parity cases through megatron.core itself (it needs Python >= 3.12 and torch;
 # PyPI's torch, a large download, is installed into that venv on first use). MCORE_VENV=... reuses a venv.
