@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-nightly docs docs-serve bench gpu-check megatron-parity megatron-record clean
+.PHONY: demo test test-nightly docs docs-serve bench gpu-check gpu-perf megatron-parity megatron-record clean
 
 # setup.py builds the optional compiled helper (cgcompile/csrc) in place; a change to it reinstalls.
 $(VENV)/.installed: pyproject.toml setup.py constraints.txt cgcompile/csrc/address_check.cpp
@@ -44,6 +44,14 @@ REPORT ?= gpu-check.md
 WHEELS ?=
 gpu-check:
 	$(GPU_PYTHON) benchmarks/gpu_check.py --report "$(REPORT)" $(if $(WHEELS),--wheels "$(WHEELS)")
+
+# On a fresh CUDA machine without network: the GPU performance table of every workload (HF Llama training,
+# Qwen3-MoE training and sync dispatch with dynamic_padding, 8B-shaped decode, the small launch-bound ones) in one
+# 9-minute call (510 s budget, stage by stage, rows appended to $(OUT)/gpu-perf.md as they finish; OUT defaults
+# to gpu-perf-out). It installs with pip install --no-deps --no-build-isolation -e . itself. Without CUDA it
+# prints its stage plan and exits 0. Stage output goes to $(OUT)/gpu-perf.log; --cpu-plumbing checks the script on a CPU.
+gpu-perf:
+	$(if $(OUT),OUT="$(OUT)") $(GPU_PYTHON) benchmarks/gpu_perf.py
 
 # Megatron-Core parity, live: the parity cases through megatron.core itself, and a tiny GPTModel tagged with
 # tag_megatron trained against eager (it needs Python >= 3.12 and torch; PyPI's torch, a large download, is

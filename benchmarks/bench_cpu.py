@@ -18,6 +18,9 @@ puts the drift on both sides of a ratio):
   (f) a Hugging Face transformers Mixtral (benchmarks/hf_moe.py, default experts implementation,
       cuda_graph_modules=[]) training step with new tokens every step, fp32 and bf16 weights: the same counts
       as (d), vs eager. Goal: host kernel ops outside graphs <= 5% of eager's. Skipped without transformers.
+  (h) scale at depth (benchmarks/scale_cost.py): a 48-layer vs a 12-layer MoE, 64 experts per layer, small hidden
+      size, driver=emulate: planning, capture and steady per-step host time. Goal: each <= 4.4x (linear in
+      layers). Also capture with Python's gc disabled, for diagnosis. Left out by --quick (it takes minutes).
 Torch runs on one intra-op thread: the quantities are Python-bound, and one thread is far less sensitive to
 other processes on a small machine.
 
@@ -354,6 +357,22 @@ def print_replay_cost(quick: bool) -> None:
               f"{'PASS' if met else 'MISS'}")
 
 
+def print_scale(quick: bool, repeats: int) -> None:
+    """Table (h): planning, capture and per-step host time at 48 vs 12 layers (benchmarks/scale_cost.py)."""
+    if quick:
+        print("\n(h) scale at depth: left out by --quick (python benchmarks/scale_cost.py --quick: 12 vs 3 layers)")
+        return
+    import scale_cost
+
+    small, large = 12, 48
+    found = scale_cost.run(small, large, repeats)
+    print(f"\n(h) scale at depth: {large} vs {small} layers, {scale_cost.EXPERTS} experts top-{scale_cost.TOP_K} per "
+          f"layer, hidden {scale_cost.HIDDEN}, training step, driver=emulate, process CPU time, medians of {repeats}")
+    for what, a, b, ratio, verdict in scale_cost.table(found, small, large):
+        goal = f" <= {scale_cost.GOAL:.2f}x" if verdict != "-" else ""
+        print(f"  {what}: {fmt_time(a)} vs {fmt_time(b)}: {ratio:.2f}x{goal}  {verdict}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small models, one repeat: a smoke run for CI")
@@ -406,6 +425,7 @@ def main(argv=None) -> int:
         print_hf(bench_hf(warmup=2 if args.quick else 4, steps=2 if args.quick else 8,
                           dtypes=(torch.bfloat16,) if args.quick else (torch.float32, torch.bfloat16)))
         print_replay_cost(args.quick)
+        print_scale(args.quick, repeats)
         print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
         if args.profile:
