@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for hf_moe
 import torch  # noqa: E402
 
 import cgcompile  # noqa: E402
+import memory_table  # noqa: E402
 from tests.models import MODELS  # noqa: E402
 
 SPEC = MODELS["moe_mask"]
@@ -426,6 +427,7 @@ def main(argv=None) -> int:
                           dtypes=(torch.bfloat16,) if args.quick else (torch.float32, torch.bfloat16)))
         print_replay_cost(args.quick)
         print_scale(args.quick, repeats)
+        memory_table.print_memory_table(args.quick)
         print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
         if args.profile:

@@ -329,7 +329,7 @@ def test_bench_cpu_judges_the_ratio_it_prints():
 
 def test_bench_cpu_quick_table():
     out = run_script("bench_cpu.py", "--quick", "--emulate", timeout=420)  # table (e) adds 3 short MoE runs
-    rows = [line for line in out.splitlines() if line.startswith("(") and not line.startswith(("(g)", "(h)"))]
+    rows = [line for line in out.splitlines() if line.startswith("(") and not line.startswith(("(g)", "(h)", "(i)"))]
     assert [r[:3] for r in rows] == ["(a)", "(a)", "(b)", "(b)", "(c)"]
     for row in rows:
         m = re.search(r"(\d+\.\d+)x\s+<= (\d+\.\d+)x\s+(PASS|MISS)$", row)
@@ -352,6 +352,11 @@ def test_bench_cpu_quick_table():
         m = re.search(r": (\d+\.\d+)x, goal <= (\d+\.\d+)x  (PASS|MISS)$", row)
         assert m, row
         assert m[3] == ("PASS" if float(m[1]) <= float(m[2]) else "MISS"), row
+    if "(i) what the graphs hold: skipped" not in out:  # transformers installed: HF Llama only when quick
+        memory = out.split("(i) what the graphs hold")[1].splitlines()[2].split()
+        assert memory[0] == "llama" and memory[-1] == ("PASS" if float(memory[-2].rstrip("x")) <= 1.3 else "MISS")
+        kinds = [float(v) for v in memory[1:8]]  # static inputs ... pool, then the total
+        assert abs(sum(kinds[:6]) - kinds[6]) < 0.2 and kinds[1] > 0  # the kinds add up; saved activations held
     reuse = out.split("(g) reuse")[1].splitlines()[1:7]
     assert len(reuse) == 6 and all(row.endswith("PASS") for row in reuse), reuse  # counts: deterministic
     if "HF MoE (f): skipped" not in out:  # transformers installed: its quick run is bf16 only
