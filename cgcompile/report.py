@@ -39,7 +39,9 @@ def _cell(value: Any) -> str:
 
 
 def _kind(runtime: Any, name: str) -> str:
-    """training (forward and backward graphs) or inference, from the graphs the partition captured."""
+    """training (forward and backward graphs) or inference: the frame's plan says, else the graphs captured."""
+    if runtime.plan is not None:
+        return "training" if runtime.plan.training else "inference"
     kinds = {g.kind for g in runtime.live_graphs() if g.partition == name}
     return "training" if kinds & {"forward", "backward"} else "inference" if kinds else "-"
 

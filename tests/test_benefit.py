@@ -215,3 +215,28 @@ def test_explain_after_a_run_shows_the_measured_times(timer):
 measured (eager vs replay per call, saving per call and per step):
   graph N submod_1: eager 2.000 ms, replay 0.400 ms, saving 1.600 ms per call, 1.600 ms per step: captured
   graph N submod_2: eager 2.000 ms, replay 4.000 ms, saving -2.000 ms per call, -2.000 ms per step: eager: not_profitable""")
+
+
+def test_under_the_budget_a_new_size_releases_the_least_used_graph_first(timer):
+    """One partition, sizes 16 and 32 in turn (dynamic batch, shared output arena), a budget with room for one
+    size's graph: each new size releases the idle graph of the other instead of being refused."""
+    timer({"submod_0": {"eager": 1e-3, "replay": 0.1e-3}})
+
+    @cgcompile.tag("mlp")
+    class MLP(torch.nn.Sequential):
+        pass
+
+    model = MLP(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    options = {"driver": "emulate", "cuda_graph_modules": ["mlp"], "cuda_graph_memory_budget": 20_000}
+    compiled = torch.compile(model, backend="cudagraph_modules", options=options, dynamic=True)
+    cgcompile.reset_stats()
+    held = []
+    with torch.no_grad():
+        for batch in [16] * 6 + [32] * 6 + [16] * 3:
+            x = torch.randn(batch, 64)
+            assert torch.equal(compiled(x), model(x))
+            st = cgcompile.stats()
+            held.append((batch, st["graph_bytes"], [g["label"].split(" [")[1] for g in st["graphs"]]))
+    assert max(nbytes for _, nbytes, _ in held) <= 20_000 and st["eager_fallbacks"] == []
+    assert held[-1] == (16, 12288, ["16x64] params 0 #3 inference"])  # 32's graph released to make room
+    assert (live("submod_0")[0].replays, st["graphs_released"]) == (3, 2)

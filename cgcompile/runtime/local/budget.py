@@ -46,8 +46,8 @@ class GraphBudget:
         held = _bytes_of([g for rt in runtimes for g in rt.live_graphs()])
         if held + need <= self.limit:
             return None
-        own = sorted((g for g in runtimes_graphs(runtimes, runner) if not g.held_by_itself() and g.kind != "backward"),
-                     key=lambda g: g.replays)
+        own = sorted((g for g in runtimes_graphs(runtimes, runner) if g.kind != "backward" and not g.held_by_itself()
+                      and not (g.bw is not None and g.bw.held_by_itself())), key=lambda g: g.replays)  # idle ones
         worth = _worth(runner, need)
         others = sorted(((r, _worth(r, _bytes_of(runtimes_graphs(runtimes, r)))) for rt in runtimes
                          for r in rt.runners() if r is not runner and r.broken is None
