@@ -109,6 +109,13 @@ def test_without_the_option_the_emulate_driver_times_nothing(timer):
     assert row(st, "submod_2")["profitable"] is None and all(g.replays > 1 for g in live("submod_2"))
 
 
+def test_nothing_is_timed_without_warmup_calls(timer):
+    scripted = timer(SLOW_SUBMOD_2)
+    with pytest.warns(UserWarning, match="cuda_graph_warmup_steps=0"):
+        st = train(dict(OPTIONS, measure_benefit="on", cuda_graph_warmup_steps=0), steps=4)
+    assert scripted.calls == [] and st["benefit"] == {} and st["eager_fallbacks"] == []
+
+
 def decode(options, steps=16):
     model = kv_gpt.build().eval()
     reference = copy.deepcopy(model)

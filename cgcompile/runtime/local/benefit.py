@@ -26,9 +26,10 @@ log = logging.getLogger("cgcompile")
 
 def measures(config: Any, driver: Driver) -> bool:
     """Is the benefit rule on? Option measure_benefit: on, off, or auto (on where a GPU measures it, the cuda
-    driver, and wherever a memory budget needs the savings to rank partitions)."""
+    driver, and wherever a memory budget needs the savings to rank partitions). Never without warmup calls:
+    nothing eager would be timed, and the steady replay would wait for a verdict that never comes."""
     choice = str(config.measure_benefit)
-    if not driver.captures or choice == "off":
+    if not driver.captures or choice == "off" or config.cuda_graph_warmup_steps == 0:
         return False
     return choice == "on" or driver.name == "cuda" or config.cuda_graph_memory_budget is not None
 
