@@ -31,7 +31,8 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 @dataclass
 class Plan:
     """Everything the backend decided for one compiled function: config, one GraphPlan per Dynamo graph,
-    and Dynamo's own graph breaks. `str(plan)` is the human table; `to_json()` the machine-readable form;
+    and Dynamo's own graph breaks; after a run with measure_benefit, each partition's measured times (`measured`,
+    stats()["benefit"] until reset_stats()). `str(plan)` is the human table; `to_json()` the machine-readable form;
     `to_html(path)` the picture (visual.py)."""
 
     config: CudaGraphConfig
