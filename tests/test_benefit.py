@@ -247,3 +247,17 @@ def test_under_the_budget_a_new_size_releases_the_least_used_graph_first(timer):
     assert max(nbytes for _, nbytes, _ in held) <= 20_000 and st["eager_fallbacks"] == []
     assert held[-1] == (16, 12288, ["16x64] params 0 #3 inference"])  # 32's graph released to make room
     assert (live("submod_0")[0].replays, st["graphs_released"]) == (3, 2)
+
+
+def test_a_graph_larger_than_its_estimate_is_caught_once_captured(timer, monkeypatch):
+    """The estimate from the warmup calls can fall short (on CUDA the pool holds the graph's temporaries too): the
+    graph's real bytes are checked after its capture, and past the budget the partition runs eagerly."""
+    timer(WORTH)
+    monkeypatch.setattr(BenefitMeter, "bytes_needed", lambda self, kind: 0)  # every capture looks free
+    held = []
+    st = train(dict(OPTIONS, cuda_graph_memory_budget=100_000),
+               after_step=lambda step: held.append(cgcompile.stats()["graph_bytes"]))
+    assert max(held) <= 100_000 and len(st["eager_fallbacks"]) == 1
+    assert live("submod_2") == [] and live("submod_1") and all(g.replays > 1 for g in live("submod_1"))  # the one whose capture passed it
+    assert_expected_inline(graphs_numbered(st["eager_fallbacks"][0]["reason"]), """\
+memory_budget: its graphs hold 88192 bytes once captured, more than estimated, and the model's graphs 123520 bytes, over cuda_graph_memory_budget=100000 bytes""")

@@ -20,7 +20,7 @@ from ..drivers.base import Driver
 from ..release import held_bytes
 from .instance import memory_of
 
-__all__ = ["GraphBudget", "refuses_capture"]
+__all__ = ["GraphBudget", "check_after_capture", "refuses_capture"]
 
 
 def _bytes_of(graphs: List[Any]) -> int:
@@ -71,6 +71,20 @@ class GraphBudget:
                             f"released to make room for {runner.name}, which saves more per byte, under "
                             f"cuda_graph_memory_budget={self.limit} bytes")
         return None
+
+
+def check_after_capture(budget: GraphBudget, runner: Any, runtimes: List[Any]) -> None:
+    """After `runner` captured a graph: its real bytes may pass the estimate (on CUDA the pool holds the graph's
+    temporaries too); past the budget the partition runs eagerly for good, its graphs released, so the model's
+    graphs hold no more than the budget once the call that captured returns."""
+    if budget.limit is None:
+        return
+    runtimes = [rt for rt in runtimes if rt.config == budget.config]
+    held = _bytes_of([g for rt in runtimes for g in rt.live_graphs()])
+    if held > budget.limit:
+        mine = _bytes_of(runtimes_graphs(runtimes, runner))
+        runner.fail(f"memory_budget: its graphs hold {mine} bytes once captured, more than estimated, and the model's "
+                    f"graphs {held} bytes, over cuda_graph_memory_budget={budget.limit} bytes")
 
 
 def refuses_capture(runner: Any, param_set: int, kind: str) -> bool:

@@ -266,6 +266,7 @@ class GraphFamily:
         self.instances.setdefault(key, []).append(graph)
         out = graph.replay(args, alias=True, copied_outputs=self.copied_outputs)
         part.captured(graph, streak)
+        part.runtime.captured_within_budget(part)  # its real bytes, against cuda_graph_memory_budget
         return out
 
     def remove(self, graph: GraphInstance) -> None:
@@ -366,6 +367,9 @@ class BackwardFamily(GraphFamily):
                 instance.attach_backward(self._capture(instance.param_set, args, instance.param_storages, instance))
             except Exception as exc:
                 self.part.fail(f"capturing its backward graph failed: {type(exc).__name__}: {exc}")
+                return self.run(args)
+            runtime.captured_within_budget(self.part)
+            if self.part.broken is not None:  # past the budget: its graphs are released, this backward runs eagerly
                 return self.run(args)
         elif not instance.bw.addresses_match(args) or instance.bw.replay_blocker(runtime.memory.pool_blocker):
             return self.run(args)  # e.g. a second backward through the same forward (retain_graph)

@@ -22,7 +22,7 @@ from ..drivers.base import Driver
 from ..drivers.select import EagerDriver, captures_on, get_driver
 from .sources import source_of
 from ..memory.registry import MemoryRegistry
-from .budget import GraphBudget
+from .budget import GraphBudget, check_after_capture
 from .instance import GraphInstance, memory_of
 
 log = logging.getLogger("cgcompile")
@@ -138,6 +138,10 @@ class ModelRuntime:
         """Before `runner` captures a graph of `kind`: why the memory budget refuses it, after making what room it
         may (runtime/local/budget.py), or None."""
         return self.budget.refuses(runner, kind, live_runtimes())
+
+    def captured_within_budget(self, runner: Any) -> None:
+        """After `runner` captured a graph: past the memory budget it runs eagerly for good (budget.py)."""
+        check_after_capture(self.budget, runner, live_runtimes())
 
     def live_graphs(self) -> List[GraphInstance]:
         """The captured graphs alive now (forward, backward and inference instances), in capture order.
