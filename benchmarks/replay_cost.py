@@ -32,7 +32,7 @@ from cgcompile.runtime.local import runner as partition_runner
 from cgcompile.runtime.drivers.emulate import EmulatedGraph
 from tests.models import kv_gpt
 
-__all__ = ["address_check_times", "decode_host_times", "depth_host_times", "reuse_rows"]
+__all__ = ["address_check_times", "decode_host_times", "decode_step_times", "depth_host_times", "reuse_rows"]
 
 
 class MinimalWrapper:
@@ -111,7 +111,7 @@ def _first_calls(run: Callable[[], Any], keep: Optional[int] = None) -> Tuple[Li
 
 
 def decode_host_times(scope: str, layers: int = 8, calls: int = 2000, repeats: int = 7,
-                      device: str = "cpu") -> Tuple[float, float]:
+                      device: str = "cpu", inner: str = "eager") -> Tuple[float, float]:
     """(ours, minimal): median host seconds per partition call of a steady decode step, averaged over its
     partitions, interleaved repeats. On CUDA both replay real graphs (host time: the calls are not synchronized;
     the device catches up after each timed loop); on the CPU emulated replays are made no-ops."""
@@ -121,7 +121,7 @@ def decode_host_times(scope: str, layers: int = 8, calls: int = 2000, repeats: i
     torch._dynamo.reset()
     model = kv_gpt.build(num_layers=layers).to(device).eval()
     options = {"cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": scope,
-               "driver": "cuda" if cuda else "emulate"}
+               "driver": "cuda" if cuda else "emulate", "inner_compiler": inner}
     step = torch.compile(kv_gpt.DecodeStep(model), backend="cudagraph_modules", options=options)
     (prompt,) = kv_gpt.example_inputs(batch=4, seq=8, device=device)
     timing = contextlib.nullcontext if cuda else replays_as_launches
@@ -147,6 +147,50 @@ def decode_host_times(scope: str, layers: int = 8, calls: int = 2000, repeats: i
             minimal.append(statistics.median(times["minimal"]))
             del runners, runner, args, entry, wrapper
     return sum(ours) / len(ours), sum(minimal) / len(minimal)
+
+
+def decode_step_times(scopes: Sequence[str] = ("layer", "block"), layers: int = 8, steps: int = 200,
+                      repeats: int = 7, inner: str = "eager") -> Dict[str, float]:
+    """Host seconds per whole decode step in a real decode loop (each step at the next position with a new token
+    tensor; emulated replays made no-ops, as a launch), per scope, and "floor": the same loop through
+    Dynamo with a backend that returns the outputs of its first call (Dynamo's guards and frame call: what any
+    backend pays). The candidates alternate repeat by repeat; times are the process's CPU time."""
+    torch._dynamo.reset()
+    model = kv_gpt.build(num_layers=layers).eval()
+    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+    positions = kv_gpt.positions(model.max_seq)
+
+    def cached_outputs(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        outputs = gm(*example_inputs)
+        return lambda *args: outputs
+
+    steps_of: Dict[str, Callable[..., Any]] = {"floor": torch.compile(kv_gpt.DecodeStep(model), backend=cached_outputs)}
+    for scope in scopes:
+        steps_of[scope] = torch.compile(kv_gpt.DecodeStep(model), backend="cudagraph_modules", options={
+            "cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": scope, "driver": "emulate",
+            "inner_compiler": inner})
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, kv_gpt.VOCAB, (4, 1), generator=generator) for _ in range(16)]
+
+    def loop(step: Callable[..., Any]) -> Callable[[], None]:
+        def run() -> None:
+            for i in range(steps):
+                step(tokens[i % len(tokens)], positions[8 + i % (model.max_seq - 8)])
+        return run
+
+    samples: Dict[str, List[float]] = {name: [] for name in steps_of}
+    with torch.no_grad():
+        kv_gpt.prefill(model, prompt)
+        for step in steps_of.values():  # compile, warm up, capture, and the bank policy's first judgement
+            loop(step)()
+        with replays_as_launches(), collector_paused():
+            for r in range(repeats):
+                for name in (list(steps_of) if r % 2 == 0 else list(reversed(steps_of))):
+                    start = time.process_time()  # this process's CPU time: other sessions' load stays out
+                    loop(steps_of[name])()
+                    samples[name].append((time.process_time() - start) / steps)
+    return {name: statistics.median(found) for name, found in samples.items()}
 
 
 def address_check_times(count: int = 118, calls: int = 2000, repeats: int = 7, device: str = "cpu") -> Dict[str, float]:
