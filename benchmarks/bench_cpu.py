@@ -379,8 +379,7 @@ def print_lean_step(quick: bool) -> None:
         print("  inner_compiler inductor vs eager, per partition call: left out by --quick (Inductor's C++ compile)")
         return
     for scope in LEAN_STEP_GOALS:
-        times = {inner: replay_cost.decode_host_times(scope, layers=layers, calls=2000, repeats=repeats,
-                                                      inner=inner)[0] for inner in ("eager", "inductor")}
+        times = replay_cost.inner_host_times(scope, layers=layers, calls=2000, repeats=repeats)
         ratio = times["inductor"] / times["eager"]
         print(f"  inner_compiler inductor vs eager, {scope} scope, per partition call: {times['inductor'] * 1e6:.1f} "
               f"us vs {times['eager'] * 1e6:.1f} us: {ratio:.2f}x, goal <= {INNER_HOST_GOAL:.2f}x  "

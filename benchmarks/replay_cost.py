@@ -32,7 +32,8 @@ from cgcompile.runtime.local import runner as partition_runner
 from cgcompile.runtime.drivers.emulate import EmulatedGraph
 from tests.models import kv_gpt
 
-__all__ = ["address_check_times", "decode_host_times", "decode_step_times", "depth_host_times", "reuse_rows"]
+__all__ = ["address_check_times", "decode_host_times", "decode_step_times", "depth_host_times", "inner_host_times",
+           "reuse_rows"]
 
 
 class MinimalWrapper:
@@ -147,6 +148,42 @@ def decode_host_times(scope: str, layers: int = 8, calls: int = 2000, repeats: i
             minimal.append(statistics.median(times["minimal"]))
             del runners, runner, args, entry, wrapper
     return sum(ours) / len(ours), sum(minimal) / len(minimal)
+
+
+def inner_host_times(scope: str, layers: int = 8, calls: int = 2000, repeats: int = 7) -> Dict[str, float]:
+    """{inner compiler: median host seconds per partition call of a steady decode step}, "eager" and "inductor",
+    both models compiled and warmed up first, then timed partition by partition with the two alternating (only
+    the timed partition's arguments are kept, as in decode_host_times); emulated replays made no-ops."""
+    torch._dynamo.reset()
+    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+    built = {}
+    for inner in ("eager", "inductor"):
+        model = kv_gpt.build(num_layers=layers).eval()
+        step = torch.compile(kv_gpt.DecodeStep(model), backend="cudagraph_modules", options={
+            "cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": scope, "driver": "emulate",
+            "inner_compiler": inner})
+        with torch.no_grad():
+            kv_gpt.generate(step, model, prompt, 6)  # warmup and capture
+        built[inner] = (step, model)
+    one_step = {inner: (lambda s=step, m=model: kv_gpt.generate(s, m, prompt, 1))
+                for inner, (step, model) in built.items()}
+    found: Dict[str, List[float]] = {inner: [] for inner in built}
+    with torch.no_grad():
+        for index in range(len(_first_calls(one_step["eager"])[0])):
+            timed = {}
+            for inner in built:
+                runners, args = _first_calls(one_step[inner], index)
+                timed[inner] = (runners[index], args)
+            samples: Dict[str, List[float]] = {inner: [] for inner in built}
+            with replays_as_launches(), collector_paused():
+                for r in range(repeats):
+                    for inner in (list(timed) if r % 2 == 0 else list(reversed(timed))):
+                        runner, args = timed[inner]
+                        samples[inner].append(_per_call(lambda: runner(*args), calls))
+            for inner, times in samples.items():
+                found[inner].append(statistics.median(times))
+            del timed, runners, args
+    return {inner: sum(times) / len(times) for inner, times in found.items()}
 
 
 def decode_step_times(scopes: Sequence[str] = ("layer", "block"), layers: int = 8, steps: int = 200,

@@ -120,6 +120,34 @@ def test_inductor_inner_compiler_replays_through_the_same_short_path_as_eager():
     assert all("replay_plain" in names for names in per_inner["inductor"])
 
 
+def test_a_steady_step_calls_the_split_graph_and_its_eager_parts_through_their_generated_forward():
+    """Issue 36, the lean step: Dynamo's graph modules are lazy (torch.fx's _LazyGraphModule). A frame that kept
+    `split_gm.forward`, the lazy stub, went through a recompile check and nn.Module.__call__ on every step, and so
+    did each eager partition of the split graph (layer scope: the embeddings, mask, head between the layers'
+    graphs). A step now makes only the compiled model's own module calls (torch.compile's wrapper, the model)."""
+    model, reference, step = decode("layer")
+    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+    run(step, model, reference, prompt, 6)  # warmup, capture, replays
+    names: list = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name in ("_call_impl", "_lazy_forward", "real_recompile"):
+            caller = frame.f_back
+            while caller is not None and not caller.f_code.co_filename.endswith("runtime/drivers/emulate.py"):
+                caller = caller.f_back
+            if caller is None:  # not the emulated device running the graph's code
+                names.append(frame.f_code.co_name)
+
+    with torch.no_grad():
+        token, position = kv_gpt.prefill(model, prompt), torch.tensor([prompt.shape[1]])
+        sys.setprofile(profile)
+        try:
+            step(token, position)
+        finally:
+            sys.setprofile(None)
+    assert names == ["_call_impl", "_call_impl"], names
+
+
 @pytest.mark.parametrize("scope", ["layer", "block"])
 def test_a_cache_written_by_a_steady_replay_bumps_its_version_as_eager_does(scope):
     """Autograd's saved-tensor check compares versions: a call that writes the cache must bump its version as
