@@ -18,6 +18,11 @@ puts the drift on both sides of a ratio):
   (f) a Hugging Face transformers Mixtral (benchmarks/hf_moe.py, default experts implementation,
       cuda_graph_modules=[]) training step with new tokens every step, fp32 and bf16 weights: the same counts
       as (d), vs eager. Goal: host kernel ops outside graphs <= 5% of eager's. Skipped without transformers.
+  (g) host time per replay vs a minimal wrapper and reuse on the issue-27 loops (benchmarks/replay_cost.py); the
+      whole decode step's host time vs Dynamo's floor in a real decode loop, and the host time per partition call
+      with inner_compiler="inductor" vs "eager" (issue 36).
+  (i) kernels launched per step (benchmarks/kernel_count.py): cgcompile inner inductor / eager vs whole-graph
+      Inductor on HF Llama / Mixtral bf16 training and a decode step, with a per-op diff. Goal <= 1.05x.
   (h) scale at depth (benchmarks/scale_cost.py): a 48-layer vs a 12-layer MoE, 64 experts per layer, small hidden
       size, driver=emulate: planning, capture and steady per-step host time. Goal: each <= 4.4x (linear in
       layers). Also capture with Python's gc disabled, for diagnosis. Left out by --quick (it takes minutes).
