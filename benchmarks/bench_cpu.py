@@ -21,7 +21,7 @@ puts the drift on both sides of a ratio):
   (g) host time per replay vs a minimal wrapper and reuse on the issue-27 loops (benchmarks/replay_cost.py); the
       whole decode step's host time vs Dynamo's floor in a real decode loop, and the host time per partition call
       with inner_compiler="inductor" vs "eager" (issue 36).
-  (i) kernels launched per step (benchmarks/kernel_count.py): cgcompile inner inductor / eager vs whole-graph
+  (j) kernels launched per step (benchmarks/kernel_count.py): cgcompile inner inductor / eager vs whole-graph
       Inductor on HF Llama / Mixtral bf16 training and a decode step, with a per-op diff. Goal <= 1.05x.
   (h) scale at depth (benchmarks/scale_cost.py): a 48-layer vs a 12-layer MoE, 64 experts per layer, small hidden
       size, driver=emulate: planning, capture and steady per-step host time. Goal: each <= 4.4x (linear in
@@ -56,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for hf_moe
 import torch  # noqa: E402
 
 import cgcompile  # noqa: E402
+import memory_table  # noqa: E402
 from tests.models import MODELS  # noqa: E402
 
 SPEC = MODELS["moe_mask"]
@@ -392,15 +393,15 @@ def print_lean_step(quick: bool) -> None:
 
 
 def print_kernels(quick: bool) -> None:
-    """Table (i): kernels launched per step, cgcompile against whole-graph Inductor (benchmarks/kernel_count.py).
+    """Table (j): kernels launched per step, cgcompile against whole-graph Inductor (benchmarks/kernel_count.py).
     Quick: the decode step at 2 layers against Dynamo's eager backend, without Inductor (its C++ compile)."""
     import kernel_count
 
     if quick:
-        print("\n(i) kernels per step (QUICK: decode only, Dynamo's eager backend as the baseline, no Inductor)")
+        print("\n(j) kernels per step (QUICK: decode only, Dynamo's eager backend as the baseline, no Inductor)")
         kernel_count.table(["decode"], ("eager", "cg-eager"), base="eager", ours=None, warmup=6, steps=1)
         return
-    print(f"\n(i) kernels per step (torch.profiler: Inductor's C++ kernels, extern kernels, every aten kernel outside "
+    print(f"\n(j) kernels per step (torch.profiler: Inductor's C++ kernels, extern kernels, every aten kernel outside "
           f"a graph; emulate driver), cgcompile-inductor vs whole-graph Inductor, goal <= {kernel_count.GOAL:.2f}x")
     kernel_count.table(kernel_count.WORKLOADS)
 
@@ -474,8 +475,9 @@ def main(argv=None) -> int:
                           dtypes=(torch.bfloat16,) if args.quick else (torch.float32, torch.bfloat16)))
         print_replay_cost(args.quick)
         print_lean_step(args.quick)
-        print_kernels(args.quick)
         print_scale(args.quick, repeats)
+        memory_table.print_memory_table(args.quick)
+        print_kernels(args.quick)
         print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
         if args.profile:

@@ -1,4 +1,4 @@
-"""bench_cpu table (i): kernels launched per step, cgcompile against whole-graph Inductor, counted on the CPU.
+"""bench_cpu table (j): kernels launched per step, cgcompile against whole-graph Inductor, counted on the CPU.
 
 Why: where reduce-overhead works, a step's GPU time is its kernels; a partitioned capture that loses fusions at
 its boundaries, leaves glue ops eager or copies inputs into static buffers launches more of them. On the CPU the
@@ -196,7 +196,7 @@ def totals(found: Counter) -> Tuple[float, float]:
 def table(workloads: Sequence[str], variants: Sequence[str] = VARIANTS, base: str = "inductor",
           ours: Optional[str] = "cg-inductor", layers: int = 2, warmup: int = 6, steps: int = 2,
           emit: Callable[[str], None] = print) -> Dict[str, Dict[str, Counter]]:
-    """Print table (i): per workload, kernels per step per variant with the ratio to `base`, the verdict for
+    """Print table (j): per workload, kernels per step per variant with the ratio to `base`, the verdict for
     `ours` (GOAL), and the per-op diff naming where each extra kernel comes from."""
     results: Dict[str, Dict[str, Counter]] = {}
     for name in workloads:

@@ -6,20 +6,22 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from . import counters
-from .runtime.release import graph_memory, held_bytes, partition_stats
+from .runtime.release import graph_memory, held_bytes, memory_by_kind, partition_stats
 
 
 def stats() -> Dict[str, Any]:
     """A snapshot of the counters since the last reset_stats(), plus `graphs`: one entry per captured graph
     alive now (partition, label, kind, replays, pool_bytes, static_input_bytes, static_output_bytes, and for a
     partition whose sizes vary its output `arena`, `arena_bytes`, `arena_output_bytes`), `graph_bytes`: what they
-    hold together (each arena once), and `partitions`: per captured partition its graph-bank accounting (calls,
+    hold together (each arena once), `graph_memory`: that total by kind (static inputs copied in, outputs the
+    backward reads, other outputs, arenas, pool), and `partitions`: per captured partition its graph-bank accounting (calls,
     replays, misses, captures, ...; kept by the partition since it was created or released, not reset here).
     The docs' "Understanding the plan" page lists every key; "Graph bank and memory" explains the rows."""
     partitions = partition_stats()  # first: it counts the steady replays a partition has not counted yet
     snapshot = counters.snapshot()
     snapshot["graphs"] = graph_memory()
     snapshot["graph_bytes"] = held_bytes(snapshot["graphs"])
+    snapshot["graph_memory"] = memory_by_kind(snapshot["graphs"])
     snapshot["partitions"] = partitions
     snapshot["reuse"] = counters.reuse(partitions)
     return snapshot

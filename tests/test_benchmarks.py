@@ -255,7 +255,7 @@ def test_host_op_counter_sees_nested_syncs():
 
 
 def test_kernel_count_counts_each_kernel_once_and_not_the_emulators_own_work():
-    """Table (i)'s rules on events shaped like torch.profiler's: the innermost kernel-running op (the emulator's
+    """Table (j)'s rules on events shaped like torch.profiler's: the innermost kernel-running op (the emulator's
     dispatch mode shows a graph's op twice), an Inductor kernel, a _foreach_ op once, no-kernel ops never, and
     inside a replay only the graph's ops (the emulator's own copies and poison launch nothing on a GPU)."""
     from types import SimpleNamespace
@@ -359,7 +359,8 @@ def test_bench_cpu_judges_the_ratio_it_prints():
 
 def test_bench_cpu_quick_table():
     out = run_script("bench_cpu.py", "--quick", "--emulate", timeout=420)  # table (e) adds 3 short MoE runs
-    rows = [line for line in out.splitlines() if line.startswith("(") and not line.startswith(("(g)", "(h)", "(i)"))]
+    rows = [line for line in out.splitlines()
+            if line.startswith("(") and not line.startswith(("(g)", "(h)", "(i)", "(j)"))]
     assert [r[:3] for r in rows] == ["(a)", "(a)", "(b)", "(b)", "(c)"]
     for row in rows:
         m = re.search(r"(\d+\.\d+)x\s+<= (\d+\.\d+)x\s+(PASS|MISS)$", row)
@@ -388,7 +389,7 @@ def test_bench_cpu_quick_table():
         assert m, row
         assert m[4] == ("PASS" if float(m[2]) <= float(m[3]) else "MISS"), row
     assert "left out by --quick" in lean[2]
-    kernels = out.split("(i) kernels per step")[1].split("\n\n")[0]
+    kernels = out.split("(j) kernels per step")[1].split("\n\n")[0]
     counts = {m[1]: (float(m[2]), float(m[3])) for m in re.finditer(r"^    (\S+)\s+(\d+\.\d+) kernels/step "
                                                                     r"\(\s*(\d+\.\d+) outside graphs\)", kernels, re.M)}
     assert set(counts) == {"eager", "cg-eager"}, kernels
@@ -396,6 +397,11 @@ def test_bench_cpu_quick_table():
     assert counts["cg-eager"][1] < counts["eager"][1] / 4, kernels  # block scope: the step replays one graph
     outside = kernels.split("cg-eager outside graphs: ")[1].splitlines()[0].split(", ")
     assert sorted(outside) == ["aten::_foreach_copy_ 1", "aten::copy_ 1"], kernels  # inputs in, the output out
+    if "(i) what the graphs hold: skipped" not in out:  # transformers installed: HF Llama only when quick
+        memory = out.split("(i) what the graphs hold")[1].splitlines()[2].split()
+        assert memory[0] == "llama" and memory[-1] == ("PASS" if float(memory[-2].rstrip("x")) <= 1.3 else "MISS")
+        kinds = [float(v) for v in memory[1:8]]  # static inputs ... pool, then the total
+        assert abs(sum(kinds[:6]) - kinds[6]) < 0.2 and kinds[1] > 0  # the kinds add up; saved activations held
     reuse = out.split("(g) reuse")[1].splitlines()[1:7]
     assert len(reuse) == 6 and all(row.endswith("PASS") for row in reuse), reuse  # counts: deterministic
     if "HF MoE (f): skipped" not in out:  # transformers installed: its quick run is bf16 only

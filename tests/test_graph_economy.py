@@ -125,6 +125,7 @@ def test_over_a_long_run_every_live_graph_is_replayed_within_the_policy_window(n
 
     spec = MODELS[name]
     torch._dynamo.reset()
+    cgcompile.release()  # graphs of earlier tests' models out of stats()["graphs"]
     cgcompile.reset_stats()
     model = spec.make()
     reference = copy.deepcopy(model)
@@ -144,3 +145,24 @@ def test_over_a_long_run_every_live_graph_is_replayed_within_the_policy_window(n
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     then, now = marks[-1 - RELEASE_WINDOW], marks[-1]
     assert now and all(now[label] > then.get(label, 0) for label in now), (then, now)
+
+
+def test_graph_memory_by_kind_adds_up_and_names_saved_activations_and_gradients():
+    """stats()["graph_memory"]: the kinds add up to graph_bytes; the forward outputs the backward reads are
+    counted as saved for backward, the backward graphs' outputs as gradients (here stolen: they are .grad)."""
+    model = three_linears()
+    cgcompile.reset_stats()
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="cudagraph_modules", options=OPTIONS)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(5):
+        opt.zero_grad(set_to_none=True)
+        run(torch.randn(4, 32)).square().mean().backward()
+        opt.step()
+    st = cgcompile.stats()
+    memory = st["graph_memory"]
+    assert memory["total"] == st["graph_bytes"] == sum(v for k, v in memory.items() if k != "total")
+    assert memory["gradients"] == sum(p.grad.untyped_storage().nbytes() for p in model.parameters())
+    assert 0 < memory["saved_for_backward"] and memory["arenas"] == memory["pool"] == 0
+    (forward,) = [g for g in st["graphs"] if g["kind"] == "forward"]
+    assert memory["saved_for_backward"] == forward["saved_output_bytes"] <= forward["static_output_bytes"]

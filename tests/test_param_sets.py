@@ -3,6 +3,8 @@ only passes isinstance(x, nn.Parameter), made anew on every call (DTensor.to_loc
 torchtitan's experts call it), never starts a new set; and a partition whose sets never warm up says so in
 stats()["eager_fallbacks"] instead of running "planned capture" uncaptured in silence."""
 
+import sys
+
 import pytest
 import torch
 
@@ -73,3 +75,48 @@ def test_layers_that_come_and_go_after_capturing_do_not_fall_back():
         del w
     assert stats()["eager_fallbacks"] == [] and p.broken is None
     assert p.bank_counters().captures == 8
+
+
+def _layers_with_per_call_views(steps: int = 8) -> dict:
+    """Two layers served by one partition, called with fresh flagged views of their parameters (as torchtitan's
+    experts pass `w.to_local()`), many short-lived objects made between calls so freed ids come back: what
+    the partition captured and replayed."""
+    reset_stats()
+    rt = runtime()
+    layers = [torch.nn.Parameter(torch.randn(4, generator=torch.Generator().manual_seed(i))) for i in range(2)]
+    p = partition(lambda x, w: (x * w).sin(), rt, static=[1])
+    x = torch.ones(4)
+    for _ in range(steps):
+        for w in layers:
+            litter = [torch.empty(4) for _ in range(7)]  # short-lived tensors: ids freed and reused
+            assert torch.equal(p(x, flagged(w.detach())), (x * w).sin())
+            del litter
+    return {"captures": p.bank_counters().captures, "fallbacks": len(stats()["eager_fallbacks"]),
+            "replays": sorted(g.replays for g in rt.live_graphs())}
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from tests.spawn import init_gloo, write_result
+
+    init_gloo(rank, world, port, 60)
+    try:
+        result = _layers_with_per_call_views()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    write_result(out_dir, rank, result)
+
+
+def test_every_rank_captures_the_same_graphs_for_per_call_views(tmp_path):
+    """The parameter set's identity does not hang on which object ids CPython reuses: every rank captures and
+    replays the same graphs (a rank that captured while another did not would hang on a graph's collective)."""
+    from tests.spawn import run_ranks
+
+    ranks = run_ranks(__file__, tmp_path, 2, 120, "per-call views")
+    assert ranks[0] == ranks[1] == {"captures": 2, "fallbacks": 0, "replays": [7, 7]}
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -70,6 +70,9 @@ EXAMPLES = {f.__name__: f for f in (data_dependent_output, cudagraph_unsafe, dyn
                                     linalg_check_errors, histc_without_range, host_device_copy,
                                     tensor_from_python_data)}
 CUDA_ONLY = {"host_device_copy"}  # the guard applies it to CUDA tensors only: the plan's side is checked here
+# Python data made a tensor: in eager code a host copy (the guard rejects it), but in a traced graph a constant that
+# aot lifts at trace time, so a captured partition never runs the copy: the plan keeps it captured
+TRACED_AS_CONSTANT = {"tensor_from_python_data"}
 DYNAMO_FLAGS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
 
 
@@ -110,6 +113,16 @@ def test_the_guard_rejects_each_rule_and_the_plan_keeps_it_eager(rule):
     with torch._dynamo.config.patch(**DYNAMO_FLAGS):
         plan = cgcompile.explain(model, x, options=OPTIONS)
     assert plan.graph_breaks == []
+    if rule.name in TRACED_AS_CONSTANT:
+        assert not any(p.reasons for g in plan.graphs for p in g.partitions), str(plan)
+        torch._dynamo.reset()
+        cgcompile.reset_stats()
+        compiled = torch.compile(model, backend="cudagraph_modules", options=dict(OPTIONS, cuda_graph_warmup_steps=1))
+        for _ in range(4):
+            torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+        st = cgcompile.stats()
+        assert st["eager_fallbacks"] == [] and st["steady_replays"] >= 2  # captured, replayed, never rejected
+        return
     assert planned_eager_at(plan, sync_line(op)), str(plan)
 
 
@@ -269,6 +282,6 @@ class TestPinnedWording(expecttest.TestCase):
         self.assertExpectedInline(f"{table}\n{finding.detail}\nfix: {finding.hint}", """\
 id  kind     tags  module  ops  first reason
  0  capture  -     -         3  -
- 1  eager    -     -         2  host_sync: operator.setitem at test_sync_rules.py:205
+ 1  eager    -     -         2  host_sync: operator.setitem at test_sync_rules.py:218
 aten.index_put_ with a boolean mask finds the masked positions on the host
 fix: write through the mask on the device: t.masked_fill_(mask, value) or torch.where(mask, value, t)""")

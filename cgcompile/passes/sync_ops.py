@@ -110,16 +110,6 @@ def _checks_linalg_errors(node: fx.Node) -> bool:
             and hasattr(torch._C._linalg, f"{name}_ex"))
 
 
-def _copied_to_device(node: fx.Node) -> bool:
-    """Whether a tensor made of Python data is copied to the device: made on CUDA, or made on the CPU of a
-    CPU model (which stands for the GPU, as in the emulate driver); a CPU tensor beside a GPU model is no copy."""
-    value = example_value(node)
-    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-        return True
-    inputs = (example_value(n) for n in node.graph.nodes if n.op == "placeholder")
-    return not any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in inputs)
-
-
 def aten_call(node: fx.Node) -> "tuple | None":
     """(op, args, kwargs): the aten call a graph node makes, with the values Dynamo recorded, as the sync
     rules read it (an overload where the arguments select one, else the overload packet); None for no aten op."""
@@ -137,7 +127,7 @@ def aten_call(node: fx.Node) -> "tuple | None":
     if _checks_linalg_errors(node):
         return torch.ops.aten._linalg_check_errors, (), {}
     if target in (torch.tensor, torch.as_tensor) and args and not isinstance(args[0], torch.Tensor):
-        return (torch.ops.aten.lift_fresh, (), {}) if _copied_to_device(node) else None
+        return None  # Python data in a traced graph is a constant aot lifts at trace time: no copy at run time
     packet = aten_packet(node)
     if packet is None:
         return None

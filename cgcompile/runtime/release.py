@@ -64,3 +64,18 @@ def held_bytes(rows: List[Dict[str, Any]]) -> int:
     arenas = {row["arena"]: row["arena_bytes"] for row in rows if row.get("arena")}
     return sum(row["pool_bytes"] + row["static_input_bytes"] + row["static_output_bytes"] for row in rows) + sum(
         arenas.values())
+
+
+def memory_by_kind(rows: List[Dict[str, Any]]) -> Dict[str, int]:
+    """What the graphs of `rows` (graph_memory()) hold, by kind: input buffers copied in; forward outputs the
+    backward reads (eager holds those too, between forward and backward); gradients, the backward graphs' outputs
+    (eager holds those as .grad too; stolen ones are .grad); other outputs kept as static memory (what eager would
+    free once read); output arenas (each once); the pool reserved at capture (CUDA); and the total (held_bytes)."""
+    arenas = {row["arena"]: row["arena_bytes"] for row in rows if row.get("arena")}
+    saved = sum(row.get("saved_output_bytes", 0) for row in rows)
+    gradients = sum(row["static_output_bytes"] for row in rows if row["kind"] == "backward")
+    return {"static_inputs": sum(row["static_input_bytes"] for row in rows), "saved_for_backward": saved,
+            "gradients": gradients,
+            "other_outputs": sum(row["static_output_bytes"] for row in rows if row["kind"] != "backward") - saved,
+            "arenas": sum(arenas.values()), "pool": sum(row["pool_bytes"] for row in rows),
+            "total": held_bytes(rows)}

@@ -331,17 +331,23 @@ class GraphInstance:
 # --- what a graph holds --------------------------------------------------------------------------------------
 
 
-def memory_of(graph: GraphInstance) -> Dict[str, Any]:
-    """Bytes this graph holds: its pool reservation, its copied-in input buffers, its own outputs; and the
-    output arena it shares (once per arena in a total), with the bytes of it its outputs take."""
+def memory_of(graph: GraphInstance, saved: Set[int] = frozenset()) -> Dict[str, Any]:
+    """Bytes this graph holds: its pool reservation, its copied-in input buffers, its own outputs (of which
+    `saved_output_bytes` live in storages the backward reads: `saved` output positions, what eager also holds
+    between forward and backward); and the output arena it shares (once per arena in a total), with the bytes of
+    it its outputs take."""
     inputs = graph.captured.static_inputs
     nbytes = {storage_ptr(t): t.untyped_storage().nbytes() for t in inputs if isinstance(t, torch.Tensor)}
     buffers = sum(nbytes[storage_ptr(t)] for t, k in zip(inputs, graph.kinds) if k is OWNED)
     outputs = {storage_ptr(t): t.untyped_storage().nbytes() for t in graph.captured.static_outputs
                if isinstance(t, torch.Tensor) and storage_ptr(t) not in nbytes}
+    saved_storages = {storage_ptr(t) for j, t in enumerate(graph.captured.static_outputs)
+                      if j in saved and isinstance(t, torch.Tensor)}
     arena = graph.arena
     return {"pool_bytes": graph.captured.pool_bytes, "static_input_bytes": buffers,
-            "static_output_bytes": sum(outputs.values()), "arena": arena.name if arena is not None else None,
+            "static_output_bytes": sum(outputs.values()),
+            "saved_output_bytes": sum(n for ptr, n in outputs.items() if ptr in saved_storages),
+            "arena": arena.name if arena is not None else None,
             "arena_bytes": arena.nbytes if arena is not None else 0,
             "arena_output_bytes": sum(span_bytes(t) for t, k in zip(inputs, graph.kinds) if k is ARENA)}
 

@@ -115,7 +115,7 @@ class ModelRuntime:
         the pool bytes its capture reserved (CUDA only), and the bytes of the static input buffers and outputs it
         owns (what it keeps between calls)."""
         return [{"partition": g.partition, "label": g.label, "kind": g.kind, "replays": g.replays,
-                 "steady_replays": max(0, g.replays - 1), "collectives": dict(g.family.collectives), **memory_of(g)}
+                 "steady_replays": max(0, g.replays - 1), "collectives": dict(g.family.collectives), **memory_of(g, g.family.saved)}
                 for g in self.live_graphs()]
 
     def partition_stats(self) -> List[Dict[str, Any]]:
