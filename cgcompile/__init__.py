@@ -14,11 +14,12 @@ from .runtime.release import release
 from .runtime.frame.whole_step import capture_step
 from .scope import transition_cudagraph_scope
 from .tagging import eager_region, tag, tag_modules, tag_of, untag
+from .report import report
 from .stats import reset_stats, stats
 
 __all__ = [
     "ConfigError", "CudaGraphConfig", "HF_FAMILIES", "MEGATRON_ROLES", "Plan", "explain", "CudaGraphImpl",
     "CudaGraphModule", "CudaGraphScope",
-    "InferenceCudaGraphScope", "capture_step", "eager_region", "release", "reset_stats", "stats", "tag",
+    "InferenceCudaGraphScope", "capture_step", "eager_region", "release", "report", "reset_stats", "stats", "tag",
     "tag_hf", "tag_megatron", "tag_modules", "tag_of", "transition_cudagraph_scope", "untag",
 ]

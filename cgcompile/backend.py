@@ -126,7 +126,7 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
     plain FX code. A graph with nothing to capture runs unsplit (no extra host overhead)."""
     if not graph_plan.captured:
         return plain_forward(gm)
-    runtime = ModelRuntime(config, device_of(example_inputs))  # with its index: the plan keeps only the type
+    runtime = ModelRuntime(config, device_of(example_inputs), graph_plan)  # with its index: the plan keeps only the type
     if config.cuda_graph_impl != CudaGraphImpl.TRANSFORMER_ENGINE and str(config.inner_compiler) == "eager" \
             and not runtime.driver.captures:
         return plain_forward(gm)  # nothing to capture or compile (e.g. driver=auto on CPU): splitting only adds calls

@@ -41,6 +41,7 @@ __all__ = [
     "InferenceCudaGraphScope",
     "DynamicPadding",
     "InnerCompiler",
+    "MeasureBenefit",
     "Migration",
 ]
 
@@ -67,6 +68,14 @@ class InnerCompiler(ChoiceEnum):
 
     EAGER = "eager"
     INDUCTOR = "inductor"
+
+
+class MeasureBenefit(ChoiceEnum):
+    """Whether captured partitions are timed against their eager calls (a replay that does not pay goes eager)."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
 
 
 class _ReadOnlyMapping(Mapping):
@@ -144,6 +153,16 @@ class CudaGraphConfig:
             unsharded between uses so the graphs reading them are captured (their unsharded bytes stay resident
             on every rank, logged). Off: those graphs are planned eager (reason ``fsdp_resharded_params``).
             Groups with reshard_after_forward=False are always kept (no extra peak memory).
+        measure_benefit: auto | on | off: time each captured partition's eager warmup calls and its first
+            replays after capture (CUDA events on a GPU; a host clock on the CPU drivers); a partition whose
+            replay, input copies included, is not faster than its eager call by 5% runs eagerly from then on
+            (reason ``not_profitable``, both times named). ``auto`` is on with the cuda driver only, where a GPU
+            measures it, and with a memory budget. Megatron has no such rule.
+        cuda_graph_memory_budget: what all graphs of the model (its compiled frames with these options) may
+            hold: bytes (an int >= 1) or a fraction of the device's memory (a float in (0, 1]; the host's RAM
+            off CUDA); None: no budget. A capture that would pass it first releases the least-used graphs of its
+            partition and the graphs of partitions saving less time per byte; otherwise it stays eager (reason
+            ``memory_budget``, the bytes named). Megatron has no such budget.
         te: keyword arguments passed through to Transformer Engine's make_graphed_callables (read-only;
             compared, not hashed).
         migrations: the deprecated spellings `from_options` rewrote (not compared, so a config
@@ -166,6 +185,8 @@ class CudaGraphConfig:
     dynamic_padding_buckets: tuple[int, ...] = ()
     capture_sizes: tuple[int, ...] = ()
     fsdp_keep_unsharded: bool = False
+    measure_benefit: MeasureBenefit = MeasureBenefit.AUTO
+    cuda_graph_memory_budget: int | float | None = None
     te: Mapping[str, Any] = dataclasses.field(default_factory=lambda: _ReadOnlyMapping({}), hash=False)
     migrations: tuple[Migration, ...] = dataclasses.field(default=(), compare=False)
 
@@ -193,6 +214,8 @@ class CudaGraphConfig:
             "dynamic_padding_buckets": _parse_buckets(self.dynamic_padding_buckets),
             "capture_sizes": _parse_capture_sizes(self.capture_sizes, self.max_graphs_per_partition),
             "fsdp_keep_unsharded": parse_bool("fsdp_keep_unsharded", self.fsdp_keep_unsharded),
+            "measure_benefit": parse_enum("measure_benefit", self.measure_benefit, MeasureBenefit),
+            "cuda_graph_memory_budget": _parse_budget(self.cuda_graph_memory_budget),
             "te": _parse_te(self.te),
             "migrations": _parse_migrations(self.migrations) + tuple(rewrites),
         }
@@ -292,6 +315,19 @@ def _parse_capture_sizes(value: Any, max_graphs: Any) -> tuple[int, ...]:
                           f"max_graphs_per_partition={max_graphs}; raise max_graphs_per_partition to at least "
                           f"{len(sizes)} or list fewer sizes")
     return sizes
+
+
+def _parse_budget(value: Any) -> int | float | None:
+    """Graph-memory budget: None (off), bytes (int >= 1) or a fraction of the device's memory (float in (0, 1])."""
+    if value is None:
+        return None
+    if isinstance(value, float) and 0.0 < value <= 1.0:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ConfigError(f"cuda_graph_memory_budget={value!r} is not valid; valid values: None (no budget), bytes as "
+                      f"an int >= 1 (e.g. 2 * 2**30), or a fraction of the device's memory as a float in (0, 1] "
+                      f"(e.g. 0.2)")
 
 
 def _parse_te(value: Any) -> Mapping[str, Any]:

@@ -26,6 +26,7 @@ def _zero() -> Dict[str, Any]:
         "capture_size_overflows": 0,  # calls whose batch exceeded the largest capture size (ran eagerly)
         "graphs_released": 0,    # graphs the bank policy released (not replayed within its window)
         "bank_stops": [],        # {"partition", "reason"}: partitions that stopped capturing (sizes, re-capture storm)
+        "benefit": {},           # partition -> its measured times and saving (option measure_benefit)
     }
 
 
@@ -104,6 +105,12 @@ def record(name: str, partition: str, reason: str, *, once: bool = False) -> boo
             return False
         _state[name].append(entry)
         return True
+
+
+def record_benefit(partition: str, row: Dict[str, Any]) -> None:
+    """A partition's measured eager and replay times and saving (runtime/local/benefit.py)."""
+    with _lock:
+        _state["benefit"][partition] = dict(row)
 
 
 def record_max(name: str, key: str, value: float) -> None:

@@ -139,7 +139,20 @@ def format_plan(plan) -> str:
                 lines.append(f"    fix: {brk.hint}")
     if not plan.graphs and not plan.graph_breaks:
         lines.append("no graphs were compiled")
+    lines.extend(measured_lines(getattr(plan, "measured", {})))
     return "\n".join(lines)
+
+
+def measured_lines(measured: dict) -> List[str]:
+    """What runs so far measured per partition (option measure_benefit; stats()["benefit"]), one line each."""
+    if not measured:
+        return []
+    lines = ["measured (eager vs replay per call, saving per call and per step):"]
+    for name, row in sorted(measured.items()):
+        verdict = "captured" if row["profitable"] else "eager: not_profitable"
+        lines.append(f"  {name}: eager {row['eager_ms']:.3f} ms, replay {row['replay_ms']:.3f} ms, saving "
+                     f"{row['saving_ms']:.3f} ms per call, {row['saving_per_step_ms']:.3f} ms per step: {verdict}")
+    return lines
 
 
 

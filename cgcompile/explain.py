@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import _compat
+from . import _compat, counters
 from .code_source import data_dependent_break_hint, source_of
 from .config import CudaGraphConfig
 from .diagnostics import format_plan
@@ -31,19 +31,22 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 @dataclass
 class Plan:
     """Everything the backend decided for one compiled function: config, one GraphPlan per Dynamo graph,
-    and Dynamo's own graph breaks. `str(plan)` is the human table; `to_json()` the machine-readable form;
+    and Dynamo's own graph breaks; after a run with measure_benefit, each partition's measured times (`measured`,
+    stats()["benefit"] until reset_stats()). `str(plan)` is the human table; `to_json()` the machine-readable form;
     `to_html(path)` the picture (visual.py)."""
 
     config: CudaGraphConfig
     graphs: List[GraphPlan] = field(default_factory=list)
     graph_breaks: List[GraphBreak] = field(default_factory=list)
+    # after a run with measure_benefit: each partition's measured eager/replay times and saving, by name
+    measured: Dict[str, dict] = field(default_factory=dict)
 
     def __str__(self) -> str:
         return format_plan(self)
 
     def to_json(self) -> dict:
         return {"config": self.config.to_json_dict(), "graphs": [g.to_json() for g in self.graphs],
-                "graph_breaks": [b.to_json() for b in self.graph_breaks]}
+                "graph_breaks": [b.to_json() for b in self.graph_breaks], "measured": dict(self.measured)}
 
     def to_html(self, path=None) -> str:
         return plan_to_html(self, path)
@@ -103,7 +106,7 @@ def explain(model_or_fn, *args: Any, options: Optional[dict] = None, **kwargs: A
     fn = getattr(model_or_fn, "_orig_mod", model_or_fn)
     with preserved_model_state(fn, args, kwargs):
         output = _run_dynamo_explain(fn, args, kwargs)
-    plan = Plan(config)
+    plan = Plan(config, measured=counters.snapshot()["benefit"])  # times measured by runs so far, if any
     present: dict = {}
     for index, gm in enumerate(output.graphs):
         inputs = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]

@@ -32,6 +32,9 @@ class Reason(ChoiceEnum):
     TE_RESTRICTION = "te_restriction"
     # a runtime feature's plan-time reason (runtime/frame/fsdp.py)
     FSDP_RESHARDED_PARAMS = "fsdp_resharded_params"
+    # measured at run time (runtime/local/benefit.py, runtime/local/budget.py): captured, then sent back to eager
+    NOT_PROFITABLE = "not_profitable"
+    MEMORY_BUDGET = "memory_budget"
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,11 @@ def plan_to_html(plan, path: Optional[str | os.PathLike] = None) -> str:
     if not plan.graphs:
         parts.append("<p>no graphs were compiled</p>")
     parts.append(_breaks_html(plan))
+    return finish_page(parts, path)
+
+
+def finish_page(parts: List[str], path: Optional[str | os.PathLike]) -> str:
+    """Close a page begun in `parts`, write it to `path` when given; the HTML (the plan's and report.py's)."""
     parts.append("</body></html>\n")
     text = "\n".join(parts)
     if path is not None:

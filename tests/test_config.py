@@ -631,7 +631,7 @@ def test_to_options_round_trip_and_json():
         "cuda_graph_warmup_steps": 3, "inner_compiler": "eager", "driver": "emulate", "min_partition_ops": 2,
         "max_graphs_per_partition": 8, "strict_modules": False, "strict": False, "clone_outputs": True,
         "verify": 2, "capture_sizes": [], "te": {"fp8": True}, "dynamic_padding": "off", "dynamic_padding_buckets": [],
-        "fsdp_keep_unsharded": False,
+        "fsdp_keep_unsharded": False, "measure_benefit": "auto", "cuda_graph_memory_budget": None,
     }
     assert all(type(v) is str for v in options["cuda_graph_modules"])
     assert type(options["cuda_graph_impl"]) is str

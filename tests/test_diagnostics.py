@@ -81,7 +81,8 @@ Dynamo graph breaks (1), each runs in Python between graphs:
     def test_json_schema(self):
         data = make_plan().to_json()
         json.dumps(data)  # serializable
-        self.assertEqual(set(data), {"config", "graphs", "graph_breaks"})
+        self.assertEqual(set(data), {"config", "graphs", "graph_breaks", "measured"})
+        self.assertEqual(data["measured"], {})  # filled by runs with measure_benefit (tests/test_benefit.py)
         self.assertEqual(data["config"]["cuda_graph_modules"], ["attn", "moe"])
         (graph,) = data["graphs"]
         self.assertIsInstance(graph["index"], int)

@@ -4,6 +4,7 @@ the graph-bank counters in every path."""
 from __future__ import annotations
 
 import copy
+import gc
 import random
 
 import pytest
@@ -30,6 +31,7 @@ def test_a_gradient_kept_into_the_next_step_adds_no_instance_and_stays_exact(kep
     reference = copy.deepcopy(model)
     cgcompile.reset_stats()
     torch._dynamo.reset()
+    gc.collect()  # runtimes of earlier tests (reference cycles) leave stats()['graphs'] now, not at a later GC
     run = torch.compile(model, backend="cudagraph_modules", options=OPTIONS)
     opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, reference)]
     kept_grads = []
@@ -125,7 +127,8 @@ def test_over_a_long_run_every_live_graph_is_replayed_within_the_policy_window(n
 
     spec = MODELS[name]
     torch._dynamo.reset()
-    cgcompile.release()  # graphs of earlier tests' models out of stats()["graphs"]
+    gc.collect()  # runtimes of earlier tests (reference cycles) leave stats()['graphs'] now, not at a later GC
+    cgcompile.release()  # and the graphs of models still alive
     cgcompile.reset_stats()
     model = spec.make()
     reference = copy.deepcopy(model)

@@ -142,9 +142,12 @@ class BankLedger:
                     f"warmup and nothing would ever be captured")
         return None
 
-    def has_room(self, param_set: int) -> bool:
-        """May this parameter set have another forward/inference instance (max_graphs_per_partition)?"""
-        return self.state(param_set).graphs < self.max_graphs
+    def no_room(self, param_set: int) -> Optional[str]:
+        """Why this parameter set may not have another forward/inference instance (max_graphs_per_partition)."""
+        if self.state(param_set).graphs < self.max_graphs:
+            return None
+        return (f"max_graphs_per_partition={self.max_graphs} reached (every instance held or captured for other "
+                f"inputs); this call runs eagerly")
 
     def released(self, graph: Any) -> None:
         """A forward/inference instance left (released, stale, discarded)."""

@@ -11,10 +11,13 @@ Drivers only capture and replay. The implementations: runtime/drivers/cuda.py (r
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from typing import Any, Callable, Iterator, List, Sequence
 
 import torch
+
+from .timing import Timer
 
 __all__ = ["CaptureError", "CapturedGraph", "Driver", "StaleReplayError", "emulating", "is_capturing"]
 
@@ -55,6 +58,11 @@ class Driver:
 
     name = "driver"
     captures = True
+    timer: Timer = Timer()  # times partition calls for the benefit rule (timing.py); tests replace it
+
+    def device_bytes(self) -> int:
+        """The memory a fractional cuda_graph_memory_budget is a fraction of: the host's RAM off CUDA."""
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
     def __init__(self) -> None:
         self._replaced: dict = {}  # retired pool -> the pool that stands in for it

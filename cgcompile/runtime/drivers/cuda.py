@@ -16,6 +16,7 @@ from ... import _compat
 from .capture_guard import capture_guard
 from .base import CaptureError, CapturedGraph, Driver, Fn
 from .thread_state import preserved_global_state
+from .timing import CudaEventTimer
 from .write_undo import WriteUndo
 
 log = logging.getLogger("cgcompile")
@@ -109,6 +110,10 @@ class CudaDriver(Driver):
         self.device = torch.device("cuda", index)
         self._stream: Optional[torch.cuda.Stream] = None
         self.pools = PoolLedger()
+        self.timer = CudaEventTimer(self.device)
+
+    def device_bytes(self) -> int:
+        return torch.cuda.get_device_properties(self.device).total_memory
 
     def new_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()

@@ -35,6 +35,7 @@ from ..memory.arena import OutputLayout, output_layouts
 from ..drivers.thread_state import preserved_global_state
 from ...passes.mutation import mutated_inputs
 from ..tensors import at_positions
+from .budget import refuses_capture
 from .instance import GraphInstance, capture_instance
 from .sources import source_of, tag
 from .traced_strides import keep_traced_strides
@@ -131,8 +132,9 @@ class GraphFamily:
     def _run_warming(self, key: int, args: list) -> Any:
         """An eager run on the driver's warmup stream (per-stream library state then exists before a capture on
         it, so the capture needs no warmup run of its own)."""
-        with self.part.driver.warmup_stream():
-            out = self.run_eagerly(args)
+        part = self.part
+        with part.driver.warmup_stream():  # timed for the benefit rule (runtime/local/benefit.py)
+            out = part.benefit.eager(self.kind, self.run_eagerly, args, part.call.args if part.call else ())
         self._warmed.add(key)
         return out
 
@@ -160,7 +162,7 @@ class GraphFamily:
         part = self.part
         graph, lesson = self._replayable(key, args)
         if graph is not None:
-            out = graph.replay(args, alias=True, copied_outputs=self.copied_outputs)
+            out = part.benefit.replay(graph, args, True, self.copied_outputs)
             part.replayed(graph)
             return out
         stale = self._stale(key, args)
@@ -172,9 +174,7 @@ class GraphFamily:
         if part.stopped is not None:
             part.ran_eagerly()
             return self.run(args)  # stopped capturing new sizes (bank policy); its graphs still replay
-        if not part.has_room(key):
-            part.ran_eagerly(f"max_graphs_per_partition={part.config.max_graphs_per_partition} reached (every "
-                             f"instance held or captured for other inputs); this call runs eagerly")
+        if refuses_capture(part, key, self.kind):  # max_graphs_per_partition, or the memory budget
             return self.run(args)
         return self._capture_and_run(key, args)
 
@@ -266,6 +266,7 @@ class GraphFamily:
         self.instances.setdefault(key, []).append(graph)
         out = graph.replay(args, alias=True, copied_outputs=self.copied_outputs)
         part.captured(graph, streak)
+        part.runtime.captured_within_budget(part)  # its real bytes, against cuda_graph_memory_budget
         return out
 
     def remove(self, graph: GraphInstance) -> None:
@@ -367,13 +368,16 @@ class BackwardFamily(GraphFamily):
             except Exception as exc:
                 self.part.fail(f"capturing its backward graph failed: {type(exc).__name__}: {exc}")
                 return self.run(args)
+            runtime.captured_within_budget(self.part)
+            if self.part.broken is not None:  # past the budget: its graphs are released, this backward runs eagerly
+                return self.run(args)
         elif not instance.bw.addresses_match(args) or instance.bw.replay_blocker(runtime.memory.pool_blocker):
             return self.run(args)  # e.g. a second backward through the same forward (retain_graph)
         bw = instance.bw
         bw.note_grads(self._grads_cleared(instance))
         # An arena's memory is shared with other sizes: hand out aliases, whose lives the arena can see (autograd
         # may hold a returned grad in an input buffer until another size's backward has run).
-        out = bw.replay(args, alias=bw.steal or bw.arena is not None)
+        out = self.part.benefit.replay(bw, args, bw.steal or bw.arena is not None)
         runtime.mark_in_flight(bw)
         return out
 

@@ -22,6 +22,7 @@ from ..drivers.base import Driver
 from ..drivers.select import EagerDriver, captures_on, get_driver
 from .sources import source_of
 from ..memory.registry import MemoryRegistry
+from .budget import GraphBudget, check_after_capture
 from .instance import GraphInstance, memory_of
 
 log = logging.getLogger("cgcompile")
@@ -42,11 +43,13 @@ class ModelRuntime:
     called (once either way). When the wave's captures take longer than 2 s a progress display appears.
     """
 
-    def __init__(self, config: Any, device: Any):
+    def __init__(self, config: Any, device: Any, plan: Any = None):
         self.config = config
         self.driver: Driver = get_driver(str(config.driver), device)
         self.device = getattr(self.driver, "device", None) or torch.device(device)  # cuda: with its index
         self.memory = MemoryRegistry()
+        self.plan = plan  # the frame's GraphPlan (plan.py): its eager partitions too, for cgcompile.report()
+        self.budget = GraphBudget(config, self.driver)  # cuda_graph_memory_budget
         self._pool: Any = None
         self._wave_open = True
         self._wave = {"graphs": 0, "seconds": 0.0, "bytes": 0}
@@ -120,9 +123,25 @@ class ModelRuntime:
 
     def partition_stats(self) -> List[Dict[str, Any]]:
         """Per partition that ran since it was created or released: its frame and graph-bank accounting
-        (bank_policy.BankCounters)."""
+        (bank_policy.BankCounters), the bytes its graphs hold, why it fell back to eager for good (or None), and
+        its measured times (option measure_benefit: bank/benefit.py)."""
         counted = [(r, r.bank_counters()) for r in self.runners()]
-        return [{"partition": r.name, "frame": r.frame, **counters.as_dict()} for r, counters in counted if counters.calls]
+        return [{"partition": r.name, "frame": r.frame, **counters.as_dict(), "graph_bytes": self.bytes_of(r),
+                 "fallback": r.broken, **r.benefit.meter.as_dict(max(1, len(r.ledger.param_sets)))}
+                for r, counters in counted if counters.calls]
+
+    def bytes_of(self, runner: Any) -> int:
+        """What `runner`'s live graphs hold (its share of stats()["graph_bytes"])."""
+        return releases.held_bytes([memory_of(g) for g in self.live_graphs() if g.family.part is runner])
+
+    def budget_refuses(self, runner: Any, kind: str) -> Optional[str]:
+        """Before `runner` captures a graph of `kind`: why the memory budget refuses it, after making what room it
+        may (runtime/local/budget.py), or None."""
+        return self.budget.refuses(runner, kind, live_runtimes())
+
+    def captured_within_budget(self, runner: Any) -> None:
+        """After `runner` captured a graph: past the memory budget it runs eagerly for good (budget.py)."""
+        check_after_capture(self.budget, runner, live_runtimes())
 
     def live_graphs(self) -> List[GraphInstance]:
         """The captured graphs alive now (forward, backward and inference instances), in capture order.

@@ -52,7 +52,7 @@ class GraphReleaser:
 
     def sweep(self, param_set: int) -> None:
         """Release this parameter set's graphs not run within the window (bank_policy.is_stale)."""
-        graphs = [graph for family in self._families() for graph in family.instances.get(param_set, ())]
+        graphs = [graph for family in self.families() for graph in family.instances.get(param_set, ())]
         self.release(self.ledger.sweep(param_set, graphs, len(self.bank)),
                      f"not run in its layer's last {bank_policy.RELEASE_WINDOW} calls per graph of it")
 
@@ -105,9 +105,10 @@ class GraphReleaser:
         message = self.ledger.stop(reason)
         log.warning("cgcompile: %s stops capturing new sizes: %s", self.describe(), message)
         record("bank_stops", self.name, message, once=True)
-        self.release([graph for family in self._families() for graph in family.all_instances() if graph.replays <= 1],
+        self.release([graph for family in self.families() for graph in family.all_instances() if graph.replays <= 1],
                      "never replayed")
 
-    def _families(self) -> List[Any]:
+    def families(self) -> List[Any]:
+        """The forward/inference graph families of the partition's bank."""
         return [family for entry in self.bank.values() for family in (entry.forward, entry.inference)
                 if family is not None]

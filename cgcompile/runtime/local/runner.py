@@ -43,6 +43,7 @@ from ..bank.key import BankKey, ParamSetIdentity
 from ..bank.ledger import BankLedger, ParamSetState, Usage
 from ..drivers.base import Driver
 from ..memory.arena_sizing import ArenaSizing
+from .benefit import BenefitProbe
 from .call import PartitionCall
 from .family import BankEntry, GraphFamily
 from .inputs import PartitionInputs
@@ -120,6 +121,7 @@ class PartitionRunner:
         self.ledger = BankLedger(self.config.cuda_graph_warmup_steps, self.config.max_graphs_per_partition)
         self.releaser = GraphReleaser(name, self.describe, self.bank, self.ledger, runtime)  # acts on its decisions
         self._steady: Dict[int, _SteadyReplay] = {}  # per parameter set, the graph its last direct call replayed
+        self.benefit = BenefitProbe(name, self.describe, self.config, driver, self.inputs.static_storages)
         runtime.add_runner(self)
 
     # calls -----------------------------------------------------------------------------------------------
@@ -157,6 +159,8 @@ class PartitionRunner:
     def _call(self, args: tuple) -> Any:
         if self._steady:
             self.count_pending()
+        if self.benefit.meter.open and self.broken is None:  # measured in full: does a replay pay?
+            self.fail(self.benefit.settle(max(1, len(self.ledger.param_sets))))
         if self.broken is not None:
             return self.submod(*args)
         if self.runtime.dead:
@@ -276,7 +280,8 @@ class PartitionRunner:
         usage = self.ledger.replayed(graph.param_set, graph)
         call = self.call
         if usage is not None and call is not None and call.direct and graph.kind == "inference" \
-                and self.param_sets.by_object:  # the steady path finds its record by the object's identity
+                and self.param_sets.by_object and not self.benefit.meter.open:  # found by the object's identity;
+            # while timing, every call takes the full path (a steady replay is never timed)
             bank_key = call.bank_key
             modes_only = not self.keys.dynamic and not any(bank_key[2:4])
             runtime = self.runtime
@@ -317,14 +322,10 @@ class PartitionRunner:
             self._warned.add(topic)
             log.log(level, message, *args)
 
-    def has_room(self, param_set: int) -> bool:
-        """May this parameter set have another forward/inference instance (max_graphs_per_partition)?"""
-        return self.ledger.has_room(param_set)
-
-    def fail(self, reason: str, storm: bool = False) -> None:
-        """Fall back to eager for good: log once, count (a re-capture storm in stats()["bank_stops"], other
-        causes in "eager_fallbacks"), release graphs. The current call still completes."""
-        if self.broken is not None:
+    def fail(self, reason: Optional[str], storm: bool = False) -> None:
+        """Fall back to eager for good (no-op without a reason): log once, count (a re-capture storm in
+        stats()["bank_stops"], other causes in "eager_fallbacks"), release graphs. The current call completes."""
+        if self.broken is not None or reason is None:
             return
         self.broken = reason
         self.count_pending()
