@@ -18,6 +18,11 @@ puts the drift on both sides of a ratio):
   (f) a Hugging Face transformers Mixtral (benchmarks/hf_moe.py, default experts implementation,
       cuda_graph_modules=[]) training step with new tokens every step, fp32 and bf16 weights: the same counts
       as (d), vs eager. Goal: host kernel ops outside graphs <= 5% of eager's. Skipped without transformers.
+  (g) host time per replay vs a minimal wrapper and reuse on the issue-27 loops (benchmarks/replay_cost.py); the
+      whole decode step's host time vs Dynamo's floor in a real decode loop, and the host time per partition call
+      with inner_compiler="inductor" vs "eager" (issue 36).
+  (j) kernels launched per step (benchmarks/kernel_count.py): cgcompile inner inductor / eager vs whole-graph
+      Inductor on HF Llama / Mixtral bf16 training and a decode step, with a per-op diff. Goal <= 1.05x.
   (h) scale at depth (benchmarks/scale_cost.py): a 48-layer vs a 12-layer MoE, 64 experts per layer, small hidden
       size, driver=emulate: planning, capture and steady per-step host time. Goal: each <= 4.4x (linear in
       layers). Also capture with Python's gc disabled, for diagnosis. Left out by --quick (it takes minutes).
@@ -358,6 +363,49 @@ def print_replay_cost(quick: bool) -> None:
               f"{'PASS' if met else 'MISS'}")
 
 
+LEAN_STEP_GOALS = {"layer": 1.6, "block": 1.3}  # whole decode step's host time vs Dynamo's floor
+INNER_HOST_GOAL = 1.2  # host time per partition call, inner_compiler="inductor" vs "eager"
+
+
+def print_lean_step(quick: bool) -> None:
+    """Table (g), continued: the whole decode step's host time against Dynamo's own floor in a real decode loop (a
+    new position every step), and the host time per partition call with the Inductor inner compiler against the
+    eager one's (issue 36). Quick: 2 layers, and the Inductor row left out (its C++ compile takes minutes here)."""
+    import replay_cost
+
+    layers, steps, repeats = (2, 20, 3) if quick else (8, 200, 7)
+    found = replay_cost.decode_step_times(layers=layers, steps=steps, repeats=repeats)
+    print(f"(g) lean step: {layers}-layer decode step in a real loop (a new position every step), host time per "
+          f"step, replays as launches, vs Dynamo's floor (a backend returning cached outputs), medians of {repeats}")
+    for scope, goal in LEAN_STEP_GOALS.items():
+        ratio = found[scope] / found["floor"]
+        print(f"  {scope} scope: {found[scope] * 1e6:.1f} us vs floor {found['floor'] * 1e6:.1f} us: {ratio:.2f}x, "
+              f"goal <= {goal:.2f}x  {'PASS' if within(ratio, goal) else 'MISS'}")
+    if quick:
+        print("  inner_compiler inductor vs eager, per partition call: left out by --quick (Inductor's C++ compile)")
+        return
+    for scope in LEAN_STEP_GOALS:
+        times = replay_cost.inner_host_times(scope, layers=layers, calls=2000, repeats=repeats)
+        ratio = times["inductor"] / times["eager"]
+        print(f"  inner_compiler inductor vs eager, {scope} scope, per partition call: {times['inductor'] * 1e6:.1f} "
+              f"us vs {times['eager'] * 1e6:.1f} us: {ratio:.2f}x, goal <= {INNER_HOST_GOAL:.2f}x  "
+              f"{'PASS' if within(ratio, INNER_HOST_GOAL) else 'MISS'}")
+
+
+def print_kernels(quick: bool) -> None:
+    """Table (j): kernels launched per step, cgcompile against whole-graph Inductor (benchmarks/kernel_count.py).
+    Quick: the decode step at 2 layers against Dynamo's eager backend, without Inductor (its C++ compile)."""
+    import kernel_count
+
+    if quick:
+        print("\n(j) kernels per step (QUICK: decode only, Dynamo's eager backend as the baseline, no Inductor)")
+        kernel_count.table(["decode"], ("eager", "cg-eager"), base="eager", ours=None, warmup=6, steps=1)
+        return
+    print(f"\n(j) kernels per step (torch.profiler: Inductor's C++ kernels, extern kernels, every aten kernel outside "
+          f"a graph; emulate driver), cgcompile-inductor vs whole-graph Inductor, goal <= {kernel_count.GOAL:.2f}x")
+    kernel_count.table(kernel_count.WORKLOADS)
+
+
 def print_scale(quick: bool, repeats: int) -> None:
     """Table (h): planning, capture and per-step host time at 48 vs 12 layers (benchmarks/scale_cost.py)."""
     if quick:
@@ -426,8 +474,10 @@ def main(argv=None) -> int:
         print_hf(bench_hf(warmup=2 if args.quick else 4, steps=2 if args.quick else 8,
                           dtypes=(torch.bfloat16,) if args.quick else (torch.float32, torch.bfloat16)))
         print_replay_cost(args.quick)
+        print_lean_step(args.quick)
         print_scale(args.quick, repeats)
         memory_table.print_memory_table(args.quick)
+        print_kernels(args.quick)
         print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
         if args.profile:

@@ -32,7 +32,8 @@ from cgcompile.runtime.local import runner as partition_runner
 from cgcompile.runtime.drivers.emulate import EmulatedGraph
 from tests.models import kv_gpt
 
-__all__ = ["address_check_times", "decode_host_times", "depth_host_times", "reuse_rows"]
+__all__ = ["address_check_times", "decode_host_times", "decode_step_times", "depth_host_times", "inner_host_times",
+           "reuse_rows"]
 
 
 class MinimalWrapper:
@@ -147,6 +148,87 @@ def decode_host_times(scope: str, layers: int = 8, calls: int = 2000, repeats: i
             minimal.append(statistics.median(times["minimal"]))
             del runners, runner, args, entry, wrapper
     return sum(ours) / len(ours), sum(minimal) / len(minimal)
+
+
+def inner_host_times(scope: str, layers: int = 8, calls: int = 2000, repeats: int = 7) -> Dict[str, float]:
+    """{inner compiler: median host seconds per partition call of a steady decode step}, "eager" and "inductor",
+    both models compiled and warmed up first, then timed partition by partition with the two alternating (only
+    the timed partition's arguments are kept, as in decode_host_times); emulated replays made no-ops."""
+    torch._dynamo.reset()
+    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+    built = {}
+    for inner in ("eager", "inductor"):
+        model = kv_gpt.build(num_layers=layers).eval()
+        step = torch.compile(kv_gpt.DecodeStep(model), backend="cudagraph_modules", options={
+            "cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": scope, "driver": "emulate",
+            "inner_compiler": inner})
+        with torch.no_grad():
+            kv_gpt.generate(step, model, prompt, 6)  # warmup and capture
+        built[inner] = (step, model)
+    one_step = {inner: (lambda s=step, m=model: kv_gpt.generate(s, m, prompt, 1))
+                for inner, (step, model) in built.items()}
+    found: Dict[str, List[float]] = {inner: [] for inner in built}
+    with torch.no_grad():
+        for index in range(len(_first_calls(one_step["eager"])[0])):
+            timed = {}
+            for inner in built:
+                runners, args = _first_calls(one_step[inner], index)
+                timed[inner] = (runners[index], args)
+            samples: Dict[str, List[float]] = {inner: [] for inner in built}
+            with replays_as_launches(), collector_paused():
+                for r in range(repeats):
+                    for inner in (list(timed) if r % 2 == 0 else list(reversed(timed))):
+                        runner, args = timed[inner]
+                        samples[inner].append(_per_call(lambda: runner(*args), calls))
+            for inner, times in samples.items():
+                found[inner].append(statistics.median(times))
+            del timed, runners, args
+    return {inner: sum(times) / len(times) for inner, times in found.items()}
+
+
+def decode_step_times(scopes: Sequence[str] = ("layer", "block"), layers: int = 8, steps: int = 200,
+                      repeats: int = 7, inner: str = "eager") -> Dict[str, float]:
+    """Host seconds per whole decode step in a real decode loop (each step at the next position with a new token
+    tensor; emulated replays made no-ops, as a launch), per scope, and "floor": the same loop through
+    Dynamo with a backend that returns the outputs of its first call (Dynamo's guards and frame call: what any
+    backend pays). The candidates alternate repeat by repeat; times are the process's CPU time."""
+    torch._dynamo.reset()
+    model = kv_gpt.build(num_layers=layers).eval()
+    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+    positions = kv_gpt.positions(model.max_seq)
+
+    def cached_outputs(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        outputs = gm(*example_inputs)
+        return lambda *args: outputs
+
+    floor = torch.compile(kv_gpt.DecodeStep(model), backend=cached_outputs)
+    steps_of: Dict[str, Callable[..., Any]] = {"floor": floor}
+    for scope in scopes:
+        steps_of[scope] = torch.compile(kv_gpt.DecodeStep(model), backend="cudagraph_modules", options={
+            "cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": scope, "driver": "emulate",
+            "inner_compiler": inner})
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, kv_gpt.VOCAB, (4, 1), generator=generator) for _ in range(16)]
+
+    def loop(step: Callable[..., Any]) -> Callable[[], None]:
+        def run() -> None:
+            for i in range(steps):
+                step(tokens[i % len(tokens)], positions[8 + i % (model.max_seq - 8)])
+        return run
+
+    samples: Dict[str, List[float]] = {name: [] for name in steps_of}
+    with torch.no_grad():
+        kv_gpt.prefill(model, prompt)
+        for step in steps_of.values():  # compile, warm up, capture, and the bank policy's first judgement
+            loop(step)()
+        with replays_as_launches(), collector_paused():
+            for r in range(repeats):
+                for name in (list(steps_of) if r % 2 == 0 else list(reversed(steps_of))):
+                    start = time.process_time()  # this process's CPU time: other sessions' load stays out
+                    loop(steps_of[name])()
+                    samples[name].append((time.process_time() - start) / steps)
+    return {name: statistics.median(found) for name, found in samples.items()}
 
 
 def address_check_times(count: int = 118, calls: int = 2000, repeats: int = 7, device: str = "cpu") -> Dict[str, float]:

@@ -51,13 +51,12 @@ def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
       compile_fx_inner. Inductor's own cudagraphs are forced off (we capture), and the AOTAutograd cache is
       off (a cache hit would return compiled graphs without calling inner_compile, i.e. without capture).
     """
+    num_args = len(args)  # not `args`: a closure over them would keep the first call's tensors alive
     if not inductor:
         from torch._functorch.aot_autograd import aot_module_simplified
 
         from torch._guards import TracingContext, tracing
         from torch._subclasses import FakeTensorMode
-
-        num_args = len(args)  # not `args`: a closure over them would keep the first call's tensors alive
 
         def compiler(kind: str) -> Callable:
             def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -78,7 +77,8 @@ def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
         kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
         kwargs["cudagraphs"] = None
         compiled = compile_fx_inner(gm, example_inputs, **kwargs)
-        return boxed(make_runner(kind, lambda graph_args: compiled(list(graph_args)), gm, None))
+        direct = direct_inference(gm, num_args) if kind == "inference" else None
+        return boxed(make_runner(kind, lambda graph_args: compiled(list(graph_args)), gm, direct))
 
     with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch({"triton.cudagraphs": False}):
         # For a GraphModule this is aot_module_simplified's positional forward (its `_boxed_call` attribute,

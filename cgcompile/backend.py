@@ -32,7 +32,7 @@ from .runtime.frame.te import TEFrame, resolve_graphing_fn
 from .runtime.frame.verify import VerifiedPartition
 from .plan import GraphPlan
 from .scope import LayerScope, ScopedFrame, scope_config
-from .split import copy_graph_module, replace_submodule, split
+from .split import call_directly, copy_graph_module, plain_forward, replace_submodule, split
 
 register_with_torch_logs()
 
@@ -125,11 +125,11 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
     """Split the graph by plan; captured partitions go to the runtime of `cuda_graph_impl`, eager ones run as
     plain FX code. A graph with nothing to capture runs unsplit (no extra host overhead)."""
     if not graph_plan.captured:
-        return gm.forward
+        return plain_forward(gm)
     runtime = ModelRuntime(config, device_of(example_inputs), graph_plan)  # with its index: the plan keeps only the type
     if config.cuda_graph_impl != CudaGraphImpl.TRANSFORMER_ENGINE and str(config.inner_compiler) == "eager" \
             and not runtime.driver.captures:
-        return gm.forward  # nothing to capture or compile (e.g. driver=auto on CPU): splitting only adds calls
+        return plain_forward(gm)  # nothing to capture or compile (e.g. driver=auto on CPU): splitting only adds calls
     static_names = {n.name for n in gm.graph.nodes if is_static_placeholder(n)}
     by_name = {n.name: n for n in gm.graph.nodes}
     split_gm = split(gm, graph_plan)
@@ -155,7 +155,7 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
                                         skip=config.cuda_graph_warmup_steps)
         if wrapped is not submod:
             replace_submodule(split_gm, name, wrapped)
-    forward = split_gm.forward
+    forward = call_directly(split_gm)
     # FSDP2 parameters that captured partitions read keep their address (runtime/frame/fsdp.py); None otherwise
     keeper = keeper_for(gm, example_inputs, frozenset(n for p in captured for n in p.nodes),
                         f"graph {graph_plan.index}")

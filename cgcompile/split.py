@@ -5,7 +5,7 @@ before their uses), and swap a submodule for its runtime wrapper."""
 from __future__ import annotations
 
 import copy
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -71,3 +71,23 @@ def replace_submodule(split_gm: fx.GraphModule, name: str, fn) -> None:
         setattr(split_gm, name, fn)
     else:
         object.__setattr__(split_gm, name, fn)
+
+
+def plain_forward(gm: fx.GraphModule) -> Callable[..., Any]:
+    """gm's generated forward, compiled now. Graph modules made under Dynamo are lazy (torch.fx's
+    _LazyGraphModule): until compiled their `forward` is a stub that compiles the code and then calls the module
+    through nn.Module.__call__, on every call when the stub itself was kept (a frame's `forward = gm.forward`).
+    `real_recompile` is that class's public method; an eager graph module has none and is compiled already."""
+    recompile = getattr(gm, "real_recompile", None)
+    if recompile is not None:
+        recompile()
+    return gm.forward
+
+
+def call_directly(split_gm: fx.GraphModule) -> Callable[..., Any]:
+    """The split graph's forward with every submodule still in it (its eager partitions) called through its plain
+    generated forward, a plain attribute: per step, no nn.Module.__call__ (hooks, the lazy stub) per partition."""
+    for name, submod in list(split_gm.named_children()):
+        if isinstance(submod, fx.GraphModule):
+            replace_submodule(split_gm, name, plain_forward(submod))
+    return plain_forward(split_gm)

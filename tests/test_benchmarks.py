@@ -254,6 +254,36 @@ def test_host_op_counter_sees_nested_syncs():
     assert counter.replays == 0
 
 
+def test_kernel_count_counts_each_kernel_once_and_not_the_emulators_own_work():
+    """Table (j)'s rules on events shaped like torch.profiler's: the innermost kernel-running op (the emulator's
+    dispatch mode shows a graph's op twice), an Inductor kernel, a _foreach_ op once, no-kernel ops never, and
+    inside a replay only the graph's ops (the emulator's own copies and poison launch nothing on a GPU)."""
+    from types import SimpleNamespace
+
+    kernels = load_bench("kernel_count")
+
+    def ev(name, parent=None):
+        return SimpleNamespace(name=name, cpu_parent=parent)
+
+    replay = ev(kernels.REPLAY_RANGE)
+    outer_mm = ev("aten::mm", replay)
+    mode = ev("PythonDispatchMode", outer_mm)
+    foreach = ev("aten::_foreach_copy_")
+    linear = ev("aten::linear")
+    bmm = ev("aten::bmm")
+    events = [replay, outer_mm, mode, ev("aten::mm", mode), ev("graph_3_cpp_fused_add_0", replay),
+              ev("aten::copy_", replay), ev("aten::fill_", replay),  # the emulator's own work
+              foreach, ev("aten::copy_", foreach), ev("aten::copy_", foreach), linear, ev("aten::addmm", linear),
+              bmm, ev("aten::resolve_conj", bmm), ev("aten::to"), ev("aten::detach"), ev("aten::clone")]
+    found = kernels.count_kernels(events)
+    assert found == {("graph", "aten::mm"): 1, ("graph", "inductor cpp_fused_add_0"): 1,
+                     ("host", "aten::_foreach_copy_"): 1, ("host", "aten::addmm"): 1, ("host", "aten::bmm"): 1,
+                     ("host", "aten::clone"): 1}
+    base = {("host", "inductor cpp_fused_add_0"): 1, ("host", "aten::mm"): 1}
+    rows = kernels.diff_rows({"inductor": base, "cg-inductor": found}, "inductor", "cg-inductor")
+    assert [op for op, _ in rows] == ["aten::_foreach_copy_", "aten::addmm", "aten::bmm", "aten::clone"]
+
+
 def test_error_line_unwraps_backend_failures():
     bench = load_bench_gpu()
 
@@ -329,7 +359,8 @@ def test_bench_cpu_judges_the_ratio_it_prints():
 
 def test_bench_cpu_quick_table():
     out = run_script("bench_cpu.py", "--quick", "--emulate", timeout=420)  # table (e) adds 3 short MoE runs
-    rows = [line for line in out.splitlines() if line.startswith("(") and not line.startswith(("(g)", "(h)", "(i)"))]
+    rows = [line for line in out.splitlines()
+            if line.startswith("(") and not line.startswith(("(g)", "(h)", "(i)", "(j)"))]
     assert [r[:3] for r in rows] == ["(a)", "(a)", "(b)", "(b)", "(c)"]
     for row in rows:
         m = re.search(r"(\d+\.\d+)x\s+<= (\d+\.\d+)x\s+(PASS|MISS)$", row)
@@ -352,6 +383,20 @@ def test_bench_cpu_quick_table():
         m = re.search(r": (\d+\.\d+)x, goal <= (\d+\.\d+)x  (PASS|MISS)$", row)
         assert m, row
         assert m[3] == ("PASS" if float(m[1]) <= float(m[2]) else "MISS"), row
+    lean = out.split("(g) lean step")[1].splitlines()[1:4]
+    for row in lean[:2]:  # whole decode step vs Dynamo's floor, layer then block scope: verdicts agree with ratios
+        m = re.search(r"^  (layer|block) scope: .*: (\d+\.\d+)x, goal <= (\d+\.\d+)x  (PASS|MISS)$", row)
+        assert m, row
+        assert m[4] == ("PASS" if float(m[2]) <= float(m[3]) else "MISS"), row
+    assert "left out by --quick" in lean[2]
+    kernels = out.split("(j) kernels per step")[1].split("\n\n")[0]
+    counts = {m[1]: (float(m[2]), float(m[3])) for m in re.finditer(r"^    (\S+)\s+(\d+\.\d+) kernels/step "
+                                                                    r"\(\s*(\d+\.\d+) outside graphs\)", kernels, re.M)}
+    assert set(counts) == {"eager", "cg-eager"}, kernels
+    assert counts["eager"][0] == counts["eager"][1] > 0  # no graph: every kernel launched one by one
+    assert counts["cg-eager"][1] < counts["eager"][1] / 4, kernels  # block scope: the step replays one graph
+    outside = kernels.split("cg-eager outside graphs: ")[1].splitlines()[0].split(", ")
+    assert sorted(outside) == ["aten::_foreach_copy_ 1", "aten::copy_ 1"], kernels  # inputs in, the output out
     if "(i) what the graphs hold: skipped" not in out:  # transformers installed: HF Llama only when quick
         memory = out.split("(i) what the graphs hold")[1].splitlines()[2].split()
         assert memory[0] == "llama" and memory[-1] == ("PASS" if float(memory[-2].rstrip("x")) <= 1.3 else "MISS")

@@ -97,7 +97,8 @@ class GraphInstance:
         self.copy_back = [i for i in owned if i in mutated]  # written by the graph: the caller's tensor gets it
         self.in_place = [i for i, k in enumerate(kinds) if k is IN_PLACE]
         self.expanded_inputs = [i for i in owned if 0 in inputs[i].stride()]  # copied in by their core
-        self.copied_inputs = [i for i in owned if i not in self.expanded_inputs]  # copied in, all in one call
+        # copied in, all in one call; an empty one (HF's empty cache tensors) holds no data: nothing to copy
+        self.copied_inputs = [i for i in owned if i not in self.expanded_inputs and inputs[i].numel()]
         self.copy_buffers = [inputs[i] for i in self.copied_inputs]
         # the call's arguments at self.copied_inputs, as a sequence, in one C call
         self._copy_sources = at_positions(self.copied_inputs)
