@@ -2,6 +2,7 @@
 numbers stats() shows, for a training run (dense_gpt) and a decode run (kv_gpt); opened in a headless browser
 only where one is installed."""
 
+import gc
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -81,6 +82,8 @@ def assert_matches_stats(page, st):
 
 
 def test_training_report_shows_what_stats_shows(timer, tmp_path):
+    gc.collect()  # runtimes earlier tests left in reference cycles go now, not between report() and stats()
+    cgcompile.release()
     timer(SLOW_SUBMOD_2)
     train(dict(OPTIONS, measure_benefit="on"))
     path = tmp_path / "run.html"
