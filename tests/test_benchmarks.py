@@ -397,11 +397,7 @@ def test_bench_cpu_quick_table():
     assert counts["cg-eager"][1] < counts["eager"][1] / 4, kernels  # block scope: the step replays one graph
     outside = kernels.split("cg-eager outside graphs: ")[1].splitlines()[0].split(", ")
     assert sorted(outside) == ["aten::_foreach_copy_ 1", "aten::copy_ 1"], kernels  # inputs in, the output out
-    if "(i) what the graphs hold: skipped" not in out:  # transformers installed: HF Llama only when quick
-        memory = out.split("(i) what the graphs hold")[1].splitlines()[2].split()
-        assert memory[0] == "llama" and memory[-1] == ("PASS" if float(memory[-2].rstrip("x")) <= 1.3 else "MISS")
-        kinds = [float(v) for v in memory[1:8]]  # static inputs ... pool, then the total
-        assert abs(sum(kinds[:6]) - kinds[6]) < 0.2 and kinds[1] > 0  # the kinds add up; saved activations held
+    assert "(i) what the graphs hold: left out by --quick" in out
     reuse = out.split("(g) reuse")[1].splitlines()[1:7]
     assert len(reuse) == 6 and all(row.endswith("PASS") for row in reuse), reuse  # counts: deterministic
     if "HF MoE (f): skipped" not in out:  # transformers installed: its quick run is bf16 only
