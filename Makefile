@@ -6,12 +6,20 @@ PYTEST_ARGS ?=
 .PHONY: demo test test-nightly docs docs-serve bench gpu-check gpu-perf megatron-parity megatron-record clean
 
 # setup.py builds the optional compiled helper (cgcompile/csrc) in place; a change to it reinstalls.
-$(VENV)/.installed: pyproject.toml setup.py constraints.txt cgcompile/csrc/address_check.cpp
+# torchtitan (tests/test_torchtitan_ep.py) goes into $(VENV)/torchtitan, not site-packages: --no-deps with the
+# pinned packages its MoE and parallel code imports (tests/torchtitan-requirements.txt), so nothing in the venv is
+# upgraded or downgraded and no other test sees them. Skipped on Python < 3.11 (torchtitan 0.3.0 needs 3.11).
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt cgcompile/csrc/address_check.cpp \
+                    tests/torchtitan-requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	if $(PY) -c "import torch" 2>/dev/null; then \
 	    $(PY) -m pip install -q -e ".[test,docs]"; \
 	else \
 	    $(PY) -m pip install -q -c constraints.txt -e ".[test,docs]"; \
+	fi
+	rm -rf $(VENV)/torchtitan
+	if $(PY) -c "import sys; sys.exit(sys.version_info < (3, 11))"; then \
+	    $(PY) -m pip install -q --no-deps --target $(VENV)/torchtitan -r tests/torchtitan-requirements.txt; \
 	fi
 	touch $@
 
