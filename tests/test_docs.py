@@ -4,7 +4,6 @@ the snippets print, the option table and the troubleshooting page cover what the
 a short front page whose links resolve. Snippet conventions: tests/doc_snippets.py."""
 
 import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import pytest
 
 import cgcompile
 from cgcompile.reasons import Reason
-from tests.doc_snippets import (DOCS, REPO, check_printed, fences, gpu_only_reason, page_name, pages,
+from tests.doc_snippets import (DOCS, REPO, check_printed, gpu_only_reason, page_name, pages,
                                 python_snippets, run_page)
 
 # Pages whose snippets another test runs, with assertions of its own on what they did.

@@ -8,7 +8,6 @@ and in replayed graphs."""
 
 import copy
 
-import pytest
 import torch
 import torch.nn.functional as F
 
