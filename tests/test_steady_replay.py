@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import cgcompile
+from tests import graph_window
 from tests.inductor_cpp import needs_inductor_cpp
 from tests.models import kv_gpt
 
@@ -72,6 +73,7 @@ def partition_calls(fn) -> list:
 
 @pytest.mark.parametrize("scope", ["layer", "block"])
 def test_a_steady_decode_step_replays_each_partition_through_the_short_path(scope):
+    graph_window.fresh()  # earlier tests' runtimes leave stats()['partitions'] now, not at a later GC
     model, reference, step = decode(scope)
     (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
     run(step, model, reference, prompt, 12)  # warmup (3), capture, replays until the bank policy judged them

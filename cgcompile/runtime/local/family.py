@@ -71,12 +71,25 @@ class EagerHandout:
         self.pending_backward = False
 
 
+_LESSON_RUN = object()  # the source of a lesson's eager outputs (GraphFamily._forward): a partition reading
+# them runs eagerly too, rather than capture an instance for an address it will not see again
+
+
+def _lesson_outputs(out: Any, args: Sequence[Any]) -> Any:
+    """Tag the fresh outputs of a lesson's eager run (an input passed through keeps its own tag)."""
+    passed_through = {id(a) for a in args}
+    for t in out:
+        if isinstance(t, torch.Tensor) and id(t) not in passed_through:
+            tag(t, _LESSON_RUN)
+    return out
+
+
 def _source_of(args: Sequence[Any], family: Optional["GraphFamily"]) -> Any:
     """The forward call of `family` (a GraphInstance or an EagerHandout) whose outputs these backward arguments
     are (others may carry the forward calls of the partitions before it: its saved inputs)."""
     for arg in args:
         source = source_of(arg)
-        if source is not None and source.family is family:
+        if source is not None and source is not _LESSON_RUN and source.family is family:
             return source
     return None
 
@@ -168,9 +181,11 @@ class GraphFamily:
         stale = self._stale(key, args)
         if stale is not None:
             return self._capture_and_run(key, args, replace=stale[0], reason=stale[1])
+        if lesson is None and self.instances.get(key) and any(source_of(a) is _LESSON_RUN for a in args):
+            lesson = "upstream lesson"  # input from a lesson's eager run: no address to capture an instance for
         if lesson is not None:  # answered without a new instance: what blocked is handed out as copies from now on
             part.ran_eagerly(lesson=lesson)
-            return self.run(args)
+            return _lesson_outputs(self.run(args), args)
         if part.stopped is not None:
             part.ran_eagerly()
             return self.run(args)  # stopped capturing new sizes (bank policy); its graphs still replay
@@ -183,10 +198,10 @@ class GraphFamily:
         GraphInstance.replay_blocker, which the steady replay calls too), or None, with the lesson a blocked one
         taught, if any. What blocks one is learnt from: the instance held with nothing pending (outputs a caller
         keeps beyond its step: handed out as copies from then on), a later graph held (its family learns the
-        same), a backward graph whose grads, handed out as `.grad`, the loop kept past its step (`g = p.grad` in
-        a logger: it copies its grads from then on, GraphInstance.stop_stealing). A lesson means the blocked
-        instance is free again once the holder lets go, so the call runs eagerly instead of capturing another
-        instance per lesson (with no warmup, every lesson would otherwise cost a graph)."""
+        same), a backward graph whose grads, `.grad` (stolen aliases, or static grads in the fresh DTensor that
+        AccumulateGrad steals), the loop kept past its step (`g = p.grad` in a logger: it copies them from then
+        on). A lesson means the blocked instance is free again once the holder lets go, so the call runs eagerly
+        instead of capturing another instance per lesson (without warmup, each would otherwise cost a graph)."""
         pool_blocker = self.part.runtime.memory.pool_blocker
         lesson = None
         for graph in self.instances.get(key, ()):
@@ -199,7 +214,9 @@ class GraphFamily:
                 if self.learn_held(graph):
                     lesson = "outputs kept"
             elif blocker.kind == "backward":
-                if blocker.steal:  # its grads, stolen as .grad, are kept past their step
+                # (a grad autograd still reads in its backward pass, e.g. in a checkpoint's recompute, is not kept)
+                stealing = blocker.steal
+                if (not blocker.in_backward_pass and blocker.family.learn_held(blocker)) or stealing:
                     blocker.stop_stealing()
                     lesson = "grads kept"
             elif blocker.family.learn_held(blocker):  # a graph held after this one: a holder its family learns
@@ -377,7 +394,7 @@ class BackwardFamily(GraphFamily):
         bw.note_grads(self._grads_cleared(instance))
         # An arena's memory is shared with other sizes: hand out aliases, whose lives the arena can see (autograd
         # may hold a returned grad in an input buffer until another size's backward has run).
-        out = self.part.benefit.replay(bw, args, bw.steal or bw.arena is not None)
+        out = self.part.benefit.replay(bw, args, bw.steal or bw.arena is not None, self.copied_outputs)
         runtime.mark_in_flight(bw)
         return out
 

@@ -316,7 +316,8 @@ class GraphInstance:
                     tag(out, self)
                 self.claim.hand_out(handed)
             else:
-                outputs = list(static)
+                outputs = [o.clone() if j in copied_outputs else o for j, o in enumerate(static)] if copied_outputs \
+                    else list(static)  # copies: grads kept past their step that a DTensor wrapper made .grad
                 self.claim.replayed()
                 self._held_until_backward_ends()
         finally:
