@@ -47,7 +47,7 @@ def _max_param_diff(a, b):
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
-def _train(rank, steps, accumulate, static_graph, build, loss_fn, inputs, ddp_kwargs=None):
+def _train(rank, steps, accumulate, static_graph, build, loss_fn, inputs, ddp_kwargs=None, options=OPTIONS):
     """Eager DDP and compiled DDP side by side, SGD on both; per step the loss difference, the largest parameter
     difference after the step, and the counters at the end of warmup and at the end."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -59,7 +59,7 @@ def _train(rank, steps, accumulate, static_graph, build, loss_fn, inputs, ddp_kw
     kwargs = dict(bucket_cap_mb=BUCKET_CAP_MB, static_graph=static_graph, **(ddp_kwargs or {}))
     eager, model = build(), build()
     eager_ddp, ddp = DDP(eager, **kwargs), DDP(model, **kwargs)
-    compiled = torch.compile(ddp, backend="cudagraph_modules", options=OPTIONS)
+    compiled = torch.compile(ddp, backend="cudagraph_modules", options=options)
     opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in (eager, model)]
     records, warm = [], None
     for step in range(steps):

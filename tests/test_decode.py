@@ -47,7 +47,7 @@ def test_decode_step_plans_as_one_captured_graph():
     assert graph.partitions[0].tags == ("attn", "mlp")
 
 
-INNER_COMPILERS = ["eager", pytest.param("inductor", marks=needs_inductor_cpp)]
+INNER_COMPILERS = ["eager", pytest.param("inductor", marks=[needs_inductor_cpp, pytest.mark.inductor])]
 
 
 @pytest.mark.parametrize("inner", INNER_COMPILERS)

@@ -439,6 +439,7 @@ class Normed(nn.Module):
 
 
 @needs_inductor_cpp
+@pytest.mark.inductor
 def test_inductor_inner_compiler_with_in_graph_mutations():
     ref, model = twins(Normed)
     rt = runtime(inner_compiler="inductor")
@@ -477,6 +478,7 @@ class Donating(nn.Module):
 
 
 @needs_inductor_cpp
+@pytest.mark.inductor
 def test_inductor_backward_writing_its_donated_saved_tensors_is_undone_at_capture():
     """The emulated capture of the backward runs it once: its writes into the saved activations it was donated
     must be undone, or the replay that follows reads scratch (issue #36: wrong grads from the capture step on)."""
