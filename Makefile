@@ -2,6 +2,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# `make test` runs the suite in this many processes (pytest-xdist), each test file whole in one of them (the
+# files' tests share compiled models and fixtures); TEST_WORKERS=0 runs it in this process alone.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test test-nightly docs docs-serve bench gpu-check gpu-perf megatron-parity megatron-record clean
 
@@ -27,7 +30,7 @@ demo: $(VENV)/.installed
 	$(PY) -m cgcompile.demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The randomized parity test with fresh randomness and many more examples (CI runs a fixed set of 200).
 test-nightly: $(VENV)/.installed

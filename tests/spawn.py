@@ -48,11 +48,14 @@ def run_ranks(script: str, out, world: int, timeout_s: float, name: str) -> list
     """Run `script` as `world` workers writing into the directory `out`; [result of rank 0, ...].
 
     Workers that a signal ended (gloo's threads aborting the process: "terminate called without an active
-    exception", seen now and then under a loaded machine) are started once more, the first attempt's output kept
-    as a warning; a worker that fails with a Python error fails the test at once."""
+    exception", seen now and then under a loaded machine) or whose port was taken are started once more, the
+    first attempt's output kept as a warning; a worker that fails with a Python error fails the test at once."""
     failure = _run_ranks_once(script, out, world, timeout_s)
-    if failure is not None and failure[0] == "signal":
-        warnings.warn(f"{name} workers ended by a signal; started once more. Their output:\n{failure[1]}")
+    if failure is not None and (failure[0] == "signal" or "Address already in use" in failure[1]):
+        # a signal: see above; the port: free_port() released it and another test's workers (pytest-xdist runs
+        # two test files at once) took it before this rank 0 bound it
+        warnings.warn(f"{name} workers ended by a signal or lost their port; started once more. Their output:\n"
+                      f"{failure[1]}")
         failure = _run_ranks_once(script, out, world, timeout_s)
     if failure is not None:
         kind, text = failure
