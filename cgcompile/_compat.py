@@ -6,7 +6,9 @@ Each wrapper names the private API it uses and the torch versions it was checked
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
@@ -17,9 +19,9 @@ __all__ = ["ADDRESS_CHECK_IMPL", "ADDRESS_CHECK_IMPLS", "AddressCheck", "any_aut
            "cuda_release_pool", "direct_inference", "donated_inputs", "dynamo_frame", "fsdp2_keep_unsharded",
            "fsdp2_params", "fsdp2_restore_free", "FsdpParam", "functorch_level",
            "generator_capture_state_outlives_failure", "increment_versions", "is_unregistered_generator_error",
-           "is_wrapper_subclass", "pop_functorch_level",
-           "resolve_overload", "set_grad_enabled", "set_versions", "storage_key", "storage_use_count",
-           "storage_weak_ref", "TorchDispatchMode", "tree_flatten", "tree_unflatten"]
+           "is_wrapper_subclass", "pop_functorch_level", "resolve_overload", "set_grad_enabled", "set_versions",
+           "storage_key", "storage_use_count", "storage_weak_ref", "TorchDispatchMode", "tree_flatten",
+           "tree_unflatten"]
 
 # torch.utils._pytree: the pytree helpers torch.compile itself uses; private module, stable API; checked 2.11, 2.13.
 from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: E402
@@ -35,12 +37,11 @@ def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
                 inductor: bool = False) -> Callable[..., Any]:
     """Run aot_autograd over `mod` (which must return a tuple) and return its positional callable.
 
-    For every graph aot produces ("forward", "backward" or "inference"), `make_runner(kind, run, gm, direct)` is
-    called with `run(args: list)` executing that graph uncaptured, the aten graph `gm` itself (before Inductor),
-    and for an inference graph whose runtime wrapper would do nothing but call it (direct_inference), the input
-    positions whose version counters that wrapper bumps (else None); it returns what aot will call instead
-    (boxed: one list argument). `args` may be real tensors: aot fakifies them in a fresh FakeTensorMode (the one
-    of the tracing context opened here, where aot records the graphs' metadata: TracingContext.fw_metadata).
+    For every graph aot produces ("forward", "backward" or "inference"), `make_runner(kind, run, gm, direct)`
+    (`run(args: list)` runs that graph uncaptured; `gm` is the aten graph before Inductor; `direct`: see
+    direct_inference) returns what aot will call instead (boxed: one list argument). `args` may be real tensors:
+    aot fakifies them in the FakeTensorMode of the tracing context opened here, where it records the graphs'
+    metadata (TracingContext.fw_metadata).
 
     - inductor=False: torch._functorch.aot_autograd.aot_module_simplified (checked 2.11, 2.13); `run` calls
       the aten graph module. keep_inference_input_mutations=True (as Inductor sets it): an inference graph's
@@ -49,14 +50,13 @@ def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
     - inductor=True: torch._inductor.compile_fx.compile_fx with a custom `inner_compile` (checked 2.11, 2.13),
       so Inductor's decompositions, joint-graph passes and partitioner apply, and each graph is compiled by
       compile_fx_inner. Inductor's own cudagraphs are forced off (we capture), and the AOTAutograd cache is
-      off (a cache hit would return compiled graphs without calling inner_compile, i.e. without capture).
-    """
+      off (a cache hit would return compiled graphs without calling inner_compile, i.e. without capture)."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses import FakeTensorMode
+
     num_args = len(args)  # not `args`: a closure over them would keep the first call's tensors alive
     if not inductor:
         from torch._functorch.aot_autograd import aot_module_simplified
-
-        from torch._guards import TracingContext, tracing
-        from torch._subclasses import FakeTensorMode
 
         def compiler(kind: str) -> Callable:
             def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -80,10 +80,15 @@ def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
         direct = direct_inference(gm, num_args) if kind == "inference" else None
         return boxed(make_runner(kind, lambda graph_args: compiled(list(graph_args)), gm, direct))
 
-    with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch({"triton.cudagraphs": False}):
-        # For a GraphModule this is aot_module_simplified's positional forward (its `_boxed_call` attribute,
-        # copied from the wrapped runtime function by simple_wraps, does not apply to it).
-        return compile_fx(mod, list(args), inner_compile=inner_compile)
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # A ShapeEnv with inputs fakified at static sizes (compile_fx's ignore_shape_env: checked 2.13, looked up) lets
+    # Inductor's FX graph cache serve graphs compiled before (another layer's, an earlier run's): else "No shape env".
+    cached = {"ignore_shape_env": True} if "ignore_shape_env" in inspect.signature(compile_fx).parameters else {}
+    context = tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))) if cached else contextlib.nullcontext()
+    with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch({"triton.cudagraphs": False}), \
+            context:  # compile_fx returns aot_module_simplified's positional forward for a GraphModule
+        return compile_fx(mod, list(args), inner_compile=inner_compile, **cached)
 
 
 def direct_inference(gm: torch.fx.GraphModule, num_args: int) -> Optional[tuple]:
@@ -173,11 +178,7 @@ def _version_bumper() -> Callable[[Sequence[torch.Tensor]], None]:
     try:
         bump((torch.empty(0),))
     except (TypeError, RuntimeError):
-        def one_by_one(tensors: Sequence[torch.Tensor]) -> None:
-            for tensor in tensors:
-                bump(tensor)
-
-        return one_by_one
+        return lambda tensors: [bump(tensor) for tensor in tensors] and None  # one by one
     return bump
 
 

@@ -112,8 +112,15 @@ def test_hf_training_matches_eager(family):
         ids = tokens(step)
         return m(input_ids=ids, labels=ids).loss
 
+    from torch._dynamo.utils import counters
+
+    before = dict(counters["inductor"])
     _, replays = train_against_eager(build(family), call)
     assert_replayed_without_fallback(replays, captured_at_least=2)
+    # Inductor's FX graph cache serves the second decoder layer's graphs (the same as the first's): partitions are
+    # compiled with a ShapeEnv (_compat.aot_compile); without one every compile bypassed the cache
+    delta = {k: counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_bypass", "fxgraph_cache_hit")}
+    assert delta["fxgraph_cache_bypass"] == 0 and delta["fxgraph_cache_hit"] >= 2, delta
 
 
 # ---- torch.nn attention (MultiheadAttention got wrong gradients from the capturing step before the fix) ---
