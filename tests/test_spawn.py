@@ -1,5 +1,6 @@
 """The worker launcher of the distributed tests (tests/spawn.py): workers a signal ended are started once more,
-the first attempt reported as a warning; a worker failing with a Python error fails the test at once."""
+as are workers whose port another test took; the first attempt reported as a warning; a worker failing with a
+Python error fails the test at once."""
 
 import textwrap
 
@@ -17,6 +18,9 @@ WORKER = textwrap.dedent('''
         open(marker, "w").close()
         if "{mode}" == "abort":
             os.abort()  # as gloo's threads end a process: SIGABRT
+        if "{mode}" == "port":  # what gloo's TCPStore raises when another test's workers took the port first
+            raise RuntimeError("The server socket has failed to listen on any local network address. port: 29500, "
+                               "code: -98, name: EADDRINUSE, message: Address already in use")
         raise RuntimeError("a real failure")
     write_result(out, rank, {{"rank": rank}})
 ''')
@@ -29,8 +33,17 @@ def _script(tmp_path, mode):
 
 
 def test_workers_a_signal_ended_run_once_more_with_the_first_output_kept(tmp_path):
-    with pytest.warns(UserWarning, match=r"ended by a signal; started once more(.|\n)*rank 0 \(exit -6, result absent\)"):
+    with pytest.warns(UserWarning, match=r"ended by a signal or lost their port; started once more(.|\n)*"
+                                         r"rank 0 \(exit -6, result absent\)"):
         results = run_ranks(_script(tmp_path, "abort"), tmp_path, 2, 60, "test")
+    assert [r["rank"] for r in results] == [0, 1]
+
+
+def test_workers_whose_port_was_taken_run_once_more(tmp_path):
+    """free_port() releases the port it found; with two test processes (pytest-xdist) another test's workers may
+    bind it first: that attempt is started again on a new port, not reported as the test's failure."""
+    with pytest.warns(UserWarning, match=r"lost their port; started once more(.|\n)*Address already in use"):
+        results = run_ranks(_script(tmp_path, "port"), tmp_path, 2, 60, "test")
     assert [r["rank"] for r in results] == [0, 1]
 
 
