@@ -25,9 +25,11 @@ import torch.distributed as dist
 import cgcompile
 
 try:
+    from tests.graph_window import fresh
     from tests.inductor_cpp import needs_inductor_cpp
     from tests.spawn import init_gloo, run_ranks, write_result
 except ModuleNotFoundError:  # tests/ itself on sys.path
+    from graph_window import fresh
     from inductor_cpp import needs_inductor_cpp
     from spawn import init_gloo, run_ranks, write_result
 
@@ -62,10 +64,10 @@ def train_against_eager(model, call, steps=STEPS, lr=0.1, options=INDUCTOR):
     """`steps` SGD steps through the compiled model and an eager copy made first, `call(module, step)` giving the
     loss. Per step: loss, every parameter's gradient and, after the optimizer step, every weight compared; returns
     the largest loss, gradient and weight differences, and the partitions' replays after each step (_replays)."""
+    fresh()  # earlier tests' runtimes released: stats()["partitions"] (read by _replays) lists this run's only
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="cudagraph_modules", options=options)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=lr) for m in (model, reference))
-    cgcompile.reset_stats()
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     replays = []
     for step in range(steps):
@@ -181,7 +183,7 @@ def test_random_model_layouts_train_like_eager(name):
     from tests.test_random_models import build, run_pair
 
     layout, modules, seed, no_grad_call = LAYOUTS[name]
-    cgcompile.reset_stats()
+    fresh()  # stats()["partitions"] below: this run's partitions only
     model, reference = build(layout)
     options = dict(INDUCTOR, cuda_graph_modules=modules)
     with torch._inductor.config.patch(fallback_random=True), \
