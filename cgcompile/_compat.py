@@ -53,6 +53,7 @@ def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
       off (a cache hit would return compiled graphs without calling inner_compile, i.e. without capture)."""
     from torch._guards import TracingContext, tracing
     from torch._subclasses import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     num_args = len(args)  # not `args`: a closure over them would keep the first call's tensors alive
     if not inductor:
@@ -79,8 +80,6 @@ def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
         compiled = compile_fx_inner(gm, example_inputs, **kwargs)
         direct = direct_inference(gm, num_args) if kind == "inference" else None
         return boxed(make_runner(kind, lambda graph_args: compiled(list(graph_args)), gm, direct))
-
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     # A ShapeEnv with inputs fakified at static sizes (compile_fx's ignore_shape_env: checked 2.13, looked up) lets
     # Inductor's FX graph cache serve graphs compiled before (another layer's, an earlier run's): else "No shape env".
@@ -126,8 +125,7 @@ def boxed(fn: Callable[[list], Any]) -> Callable[[list], Any]:
     """Mark `fn(args: list)` as using aot_autograd's boxed calling convention.
 
     aot's runtime (torch/_functorch/_aot_autograd/utils.py call_func_at_runtime_with_args, checked 2.11, 2.13)
-    calls `f(args)` when `f._boxed_call` is true, else `f(*args)` with a deprecation warning.
-    """
+    calls `f(args)` when `f._boxed_call` is true, else `f(*args)` with a deprecation warning."""
     fn._boxed_call = True  # type: ignore[attr-defined]
     return fn
 
@@ -171,14 +169,17 @@ any_autocast: Callable[[], bool] = _any_autocast()
 
 
 def _version_bumper() -> Callable[[Sequence[torch.Tensor]], None]:
-    """torch._C._increment_version, which torch.autograd.graph.increment_version calls with the tensors (private;
-    checked 2.13, where it takes any iterable of tensors; tried once here, so a build whose C function takes one
-    tensor gets a loop over it)."""
+    """torch._C._increment_version, what torch.autograd.graph.increment_version calls (private; checked 2.13: any
+    iterable of tensors; tried once here: a build whose C function takes one tensor gets a loop over it)."""
     bump = torch._C._increment_version
     try:
         bump((torch.empty(0),))
     except (TypeError, RuntimeError):
-        return lambda tensors: [bump(tensor) for tensor in tensors] and None  # one by one
+        def one_by_one(tensors: Sequence[torch.Tensor]) -> None:
+            for tensor in tensors:
+                bump(tensor)
+
+        return one_by_one
     return bump
 
 
@@ -394,8 +395,7 @@ def dynamo_frame() -> tuple:
 
     torch._dynamo.symbolic_convert.InstructionTranslator.current_tx(): private, the same call torch's own
     torch/_dynamo/testing.py backends make; resume functions are named "torch_dynamo_resume_in_<fn>_at_<line>"
-    (torch/_dynamo/resume_execution.py). Checked 2.11, 2.13.
-    """
+    (torch/_dynamo/resume_execution.py). Checked 2.11, 2.13."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
         tx = InstructionTranslator.current_tx()

@@ -215,8 +215,7 @@ class GraphFamily:
                     lesson = "outputs kept"
             elif blocker.kind == "backward":
                 # (a grad autograd still reads in its backward pass, e.g. in a checkpoint's recompute, is not kept)
-                stealing = blocker.steal
-                if (not blocker.in_backward_pass and blocker.family.learn_held(blocker)) or stealing:
+                if (not blocker.in_backward_pass and blocker.family.learn_held(blocker)) or blocker.steal:
                     blocker.stop_stealing()
                     lesson = "grads kept"
             elif blocker.family.learn_held(blocker):  # a graph held after this one: a holder its family learns
