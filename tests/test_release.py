@@ -3,13 +3,13 @@
 On CPU through the emulate driver; tests/gpu checks that the CUDA graphs themselves are destroyed."""
 
 import copy
-import gc
 
 import torch
 import torch.nn as nn
 
 import cgcompile
 from cgcompile.runtime import live_runtimes
+from tests import graph_window
 
 
 def mlp():
@@ -33,8 +33,7 @@ def train(compiled_model, model, reference, steps):
 
 
 def test_release_drops_every_graph_and_the_model_captures_again():
-    gc.collect()  # runtimes earlier tests made by hand (reference cycles) go now, not at a later collection
-    cgcompile.release()
+    graph_window.fresh()  # runtimes earlier tests left in reference cycles go now, not at a later collection
     model = mlp()
     reference = copy.deepcopy(model)
     cmodel = compiled(model)

@@ -2,7 +2,6 @@
 numbers stats() shows, for a training run (dense_gpt) and a decode run (kv_gpt); opened in a headless browser
 only where one is installed."""
 
-import gc
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -10,6 +9,7 @@ from html.parser import HTMLParser
 import pytest
 
 import cgcompile
+from tests import graph_window
 from tests.test_benefit import DECODE, OPTIONS, SLOW_SUBMOD_2, decode, timer, train  # noqa: F401 (fixture)
 
 NUMBERS = ("sizes", "calls", "replays", "reuse", "graph_bytes", "eager_ms", "replay_ms", "saving_ms",
@@ -82,8 +82,7 @@ def assert_matches_stats(page, st):
 
 
 def test_training_report_shows_what_stats_shows(timer, tmp_path):
-    gc.collect()  # runtimes earlier tests left in reference cycles go now, not between report() and stats()
-    cgcompile.release()
+    graph_window.fresh()  # runtimes earlier tests left in reference cycles go now, not at a later collection
     timer(SLOW_SUBMOD_2)
     train(dict(OPTIONS, measure_benefit="on"))
     path = tmp_path / "run.html"
