@@ -432,6 +432,16 @@ def test_scale_table_judges_each_ratio_and_bench_cpu_prints_it(monkeypatch, caps
     assert "left out by --quick" in capsys.readouterr().out
 
 
+def test_scale_measure_times_what_it_names_on_a_real_compile():
+    """scale_cost.measure on a real 2-layer compile: the functions it wraps are the ones the backend calls (it
+    once wrapped a name the backend no longer had and failed before measuring), every graph is captured once and
+    replayed in the steady steps."""
+    scale = load_bench("scale_cost")
+    found = scale.measure(2, steps=2)
+    assert found["plan"] > 0 and found["capture"] > 0 and found["step"] > 0, found
+    assert found["graphs"] == 4 and found["replays"] >= 4 * 2, found  # 2 layers x (forward + backward)
+
+
 def test_gpu_perf_cpu_plumbing_writes_the_report_row_by_row(tmp_path):
     """--cpu-plumbing runs gpu_perf's own loop on the CPU (stages with bench_gpu.py --cpu-smoke): the header, the
     stage, each row, the table and the stage summary reach the report; two files in the output folder."""
