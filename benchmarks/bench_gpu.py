@@ -49,9 +49,10 @@ kernel + memcpy + memset time per step under torch.profiler) and, from the same 
       or through an op they call (profiling.SYNC_OPS: nonzero, _local_scalar_dense i.e. .item(), unique,
       cgcompile's bucketed nonzero, ...). Runtime-level synchronize calls are not counted.
 Each table names the definition its counts used. Goals are judged only on CUDA (the CPU smoke run prints the
-measured ratio with verdict n/a).
+measured ratio with verdict n/a). --kernel-diff A,B adds, after each workload, a kernel-by-kernel table of B
+against A (launches and µs per step per kernel, from the same profiled steps; benchmarks/gpu_kernels.py).
 
-The harness (variants, timing, profiling, tables, goals) is benchmarks/gpu_harness.py; benchmarks/gpu_perf.py
+The harness (variants, timing, profiling, tables) is benchmarks/gpu_harness.py, the goals gpu_goals.py; gpu_perf.py
 (`make gpu-perf`) runs this script stage by stage inside one 9-minute budget.
 
     python benchmarks/bench_gpu.py             # on a CUDA machine; prints "skipped: no CUDA" and exits 0 elsewhere
@@ -81,10 +82,12 @@ import torch  # noqa: E402
 
 import workloads_hf  # noqa: E402
 import workloads_small  # noqa: E402
+from gpu_goals import goal_rows  # noqa: E402
 from gpu_harness import (  # noqa: E402,F401  (re-exported: tests and gpu_check read them here)
     COMPILE_CALLS, COUNT_DEFINITIONS, PADDED_VARIANTS, Clock, Result, Workload, cleanup, cpu_counts, cuda_counts,
-    cuda_profile, error_line, goal_rows, host_time_rows, mark_step, print_table, run_variant, skip_reason,
-    split_variant, status_line, variant_options)
+    cuda_profile, error_line, host_time_rows, mark_step, print_table, run_variant, skip_reason, split_variant,
+    status_line, variant_options)
+from gpu_kernels import kernel_diff_lines  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "cg-local-eager", "cg-local-inductor", "cg-full-iteration",
             "cg-local-eager+sizes", "cg-local-inductor+sizes") + PADDED_VARIANTS
@@ -158,6 +161,9 @@ def main(argv=None) -> int:
     parser.add_argument("--hf-layers", type=int, default=None,
                         help="realistic workloads: this many layers instead of their own (a time budget's compromise)")
     parser.add_argument("--no-host-time", action="store_true", help="skip the host-time-per-replay rows")
+    parser.add_argument("--kernel-diff", default=None, metavar="A,B",
+                        help="after each workload, a kernel-by-kernel table of variant B against variant A "
+                             "(e.g. reduce-overhead,cg-local-inductor), from the profiled pass")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     deadline = started + args.deadline_s if args.deadline_s else None
@@ -165,7 +171,10 @@ def main(argv=None) -> int:
     models = ([m.strip() for m in args.models.split(",") if m.strip()] if args.models else
               list(HF_MODELS if args.cpu_smoke else DEFAULT_MODELS))
     unknown = [m for m in models if m not in MODELS]
-    for v in asked or ():
+    diff = [v.strip() for v in args.kernel_diff.split(",")] if args.kernel_diff else None
+    if diff is not None and len(diff) != 2:
+        parser.error("--kernel-diff takes two variant names: A,B")
+    for v in (asked or []) + (diff or []):
         try:
             base, _ = split_variant(v)
             if base not in ("eager", "inductor", "reduce-overhead", "cg-local-eager", "cg-local-inductor",
@@ -248,6 +257,10 @@ def main(argv=None) -> int:
         all_results[model_name] = results
         lines = print_table(workload, results, cuda)
         md_append(args.markdown, "\n```text\n" + "\n".join(lines) + "\n```")
+        if diff is not None:
+            lines = kernel_diff_lines(model_name, results, *diff, cuda)
+            print("\n" + "\n".join(lines), flush=True)
+            md_append(args.markdown, "\n" + "\n".join(lines))
         del workload, results, warm
         cleanup(cuda)
 

@@ -1,4 +1,4 @@
-"""The GPU benchmark's harness: variants, timing, GPU-busy time, peak memory, compile+capture, tables and goals.
+"""The GPU benchmark's harness: variants, timing, GPU-busy time, peak memory, compile+capture, tables.
 
 bench_gpu.py builds workloads (workloads_small.py: the launch-bound toys; workloads_hf.py: Hugging Face models
 at the sizes people train and serve) and runs each through the variants here; gpu_perf.py runs bench_gpu.py
@@ -11,8 +11,9 @@ followed by suffixes, each "+name": "+sizes" (capture_sizes, decode), "+max" / "
 What is measured per variant (run_variant): step time (median over timed steps; CUDA events on a GPU), GPU-busy
 time (device kernel + memcpy + memset time per step under torch.profiler), step / busy, peak memory allocated
 above the variant's start (and vs eager), compile+capture (wall time of the first COMPILE_CALLS calls), host
-launches / graph launches / syncs per step, and where the workload asks for it, the largest difference of its
-outputs from eager's over the same steps (every variant starts from the same weights and data).
+launches / graph launches / syncs per step and a per-kernel table (gpu_kernels.py) from the same profiled pass,
+and where the workload asks for it, the largest difference of its outputs from eager's over the same steps
+(every variant starts from the same weights and data). The goals judged from the rows: gpu_goals.py.
 """
 
 from __future__ import annotations
@@ -29,17 +30,12 @@ import torch.nn as nn
 
 import cgcompile
 from cgcompile import profiling
+from gpu_kernels import cpu_kernel_table, cuda_kernel_table
 
 COMPILE_CALLS = 5  # covers cgcompile's default 3 warmup steps + capture, and reduce-overhead's warmup + record
 PADDED_VARIANTS = ("cg-local-eager+max", "cg-local-eager+buckets", "cg-local-inductor+max", "cg-full-iteration+max")
 SUFFIXES = ("sizes", "max", "buckets", "off", "layer", "block")
 INDUCTOR_VARIANTS = ("inductor", "reduce-overhead", "cg-local-inductor")  # bases that run Inductor
-NEW_TOKEN_MOE = ("moe", "mixtral")  # the small workloads the captured-experts goal is about
-# Issue 37's goals, by workload name (workloads_hf.py): padded MoE >= 3x eager and >= 2x reduce-overhead; peak
-# memory <= 1.3x eager on the training workloads; decode within 1.1x of its GPU-busy time.
-PADDED_MOE = ("qwen3moe-sync",)
-TRAINING = ("llama-train", "qwen3moe-train", "qwen3moe-sync")
-DECODE_PREFIX = "llama8b-decode"
 CUDA_ONLY = {"reduce-overhead": "needs CUDA (cudagraph trees record real CUDA graphs)"}
 
 
@@ -85,6 +81,7 @@ class Result:
     stats: Optional[dict] = None
     outputs: Optional[List[torch.Tensor]] = None  # the checked outputs (CPU float copies), eager's kept to compare
     out_diff: Optional[float] = None  # largest |out - eager| / max |eager| over the checked steps
+    kernels: Optional[dict] = None  # {kernel: (launches, µs) per step} from the profiled pass (gpu_kernels.py)
 
 
 def split_variant(name: str) -> tuple:
@@ -228,7 +225,7 @@ def is_launch_call(name: str) -> bool:
 
 
 def cuda_profile(step: Callable[[], None], n: int) -> tuple:
-    """One torch.profiler pass over n steps -> cuda_counts of its events."""
+    """One torch.profiler pass over n steps -> cuda_counts of its events + (its per-kernel table,)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -237,7 +234,8 @@ def cuda_profile(step: Callable[[], None], n: int) -> tuple:
             mark_step()
             step()
         torch.cuda.synchronize()
-    return cuda_counts(prof.events(), n)
+    events = prof.events()
+    return cuda_counts(events, n) + (cuda_kernel_table(events, n),)
 
 
 def cuda_counts(events, n: int) -> tuple:
@@ -260,12 +258,15 @@ def cuda_counts(events, n: int) -> tuple:
 
 
 def cpu_counts(step: Callable[[], None], n: int) -> tuple:
-    """The CPU proxy over n steps -> per step (host kernel ops, emulated graph replays, host syncs)."""
-    with profiling.HostOpCounter() as counter:
+    """The CPU proxy over n steps -> per step (host kernel ops, emulated graph replays, host syncs), counted as
+    profiling.HostOpCounter counts them, + (the per-kernel table,): one torch.profiler pass for both."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(n):
             mark_step()
             step()
-    return counter.ops / n, counter.replays / n, counter.syncs / n
+    events = prof.events()
+    ops, syncs, replays = profiling.count_events(events)
+    return ops / n, replays / n, syncs / n, cpu_kernel_table(events, n)
 
 
 def cleanup(cuda: bool) -> None:
@@ -334,10 +335,11 @@ def run_variant(name: str, workload: Workload, args, clock: Clock, eager: Option
                 result.peak_mib = (torch.cuda.max_memory_allocated() - start_bytes) / 2**20
             try:  # never run on this torch/CUDA before: a profiler problem must not hide the timings
                 if clock.cuda:
-                    (result.busy_ms, result.launches, result.graph_launches,
-                     result.syncs) = cuda_profile(step, args.profile_steps)
+                    (result.busy_ms, result.launches, result.graph_launches, result.syncs,
+                     result.kernels) = cuda_profile(step, args.profile_steps)
                 else:
-                    result.launches, result.graph_launches, result.syncs = cpu_counts(step, args.profile_steps)
+                    (result.launches, result.graph_launches, result.syncs,
+                     result.kernels) = cpu_counts(step, args.profile_steps)
             except Exception as exc:
                 result.profile_error = error_line(exc)
         if name.startswith("cg-") and callable(stats_fn):
@@ -375,7 +377,7 @@ def _num(value: Optional[float], fmt: str, suffix: str = "") -> str:
     return "-" if value is None else format(value, fmt) + suffix
 
 
-def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
@@ -398,11 +400,11 @@ def table_lines(workload: Workload, results: Dict[str, Result], cuda: bool) -> L
         if r.error:
             rows.append((name, f"n/a: {r.error}"))
             continue
-        rows.append((name, _num(r.step_ms, ".3f"), _num(_ratio(eager_ms, r.step_ms), ".2f", "x"),
-                     _num(_ratio(ro_ms, r.step_ms), ".2f", "x"), _num(r.compile_s, ".2f"),
-                     _num(_ratio(r.compile_s, ro_compile), ".2f", "x"), _num(r.peak_mib, ".0f"),
-                     _num(_ratio(r.peak_mib, eager_peak), ".2f", "x"),
-                     _num(r.busy_ms, ".3f"), _num(_ratio(r.step_ms, r.busy_ms), ".2f", "x"),
+        rows.append((name, _num(r.step_ms, ".3f"), _num(ratio(eager_ms, r.step_ms), ".2f", "x"),
+                     _num(ratio(ro_ms, r.step_ms), ".2f", "x"), _num(r.compile_s, ".2f"),
+                     _num(ratio(r.compile_s, ro_compile), ".2f", "x"), _num(r.peak_mib, ".0f"),
+                     _num(ratio(r.peak_mib, eager_peak), ".2f", "x"),
+                     _num(r.busy_ms, ".3f"), _num(ratio(r.step_ms, r.busy_ms), ".2f", "x"),
                      _num(r.launches, ".1f"), _num(r.graph_launches, ".1f"), _num(r.syncs, ".1f"),
                      _num(r.out_diff, ".1e")))
     widths = [max(len(row[i]) for row in rows if len(row) == len(header)) for i in range(len(header))]
@@ -434,79 +436,6 @@ def print_table(workload: Workload, results: Dict[str, Result], cuda: bool) -> L
     lines = table_lines(workload, results, cuda)
     print("\n" + "\n".join(lines))
     return lines
-
-
-def goal_rows(all_results: Dict[str, Dict[str, Result]], judged: bool = True) -> List[tuple]:
-    """(goal, measured, PASS/MISS/n/a) for the issues' goals, for each cgcompile variant that ran. judged=False
-    (CPU smoke: no GPU timings) still shows the ratios, with verdict n/a."""
-    rows = []
-
-    def get(workload, variant, attr):
-        r = all_results.get(workload, {}).get(variant)
-        return None if r is None or r.error else getattr(r, attr)
-
-    def row(text, value, ok):
-        rows.append((text, "-" if value is None else f"{value:.2f}x",
-                     "n/a" if value is None or not judged else ("PASS" if ok(value) else "MISS")))
-
-    for inner in ("eager", "inductor"):
-        v = f"cg-local-{inner}"
-        if v not in all_results.get("moe", {}) and v not in all_results.get("decode", {}):
-            continue
-        row(f"moe step >= 1.5x eager ({v})", _ratio(get("moe", "eager", "step_ms"), get("moe", v, "step_ms")),
-            lambda x: x >= 1.5)
-        row(f"moe step no slower than reduce-overhead ({v}; speedup)",
-            _ratio(get("moe", "reduce-overhead", "step_ms"), get("moe", v, "step_ms")), lambda x: x >= 1.0)
-        if inner == "eager":
-            for w in ("moe", "decode"):
-                row(f"{w} compile+capture <= 1/3 of reduce-overhead's ({v})",
-                    _ratio(get(w, v, "compile_s"), get(w, "reduce-overhead", "compile_s")), lambda x: x <= 1 / 3)
-        row(f"decode step within 1.1x of its GPU-busy bound ({v})",
-            _ratio(get("decode", v, "step_ms"), get("decode", v, "busy_ms")), lambda x: x <= 1.1)
-        if inner == "inductor":
-            row(f"decode step no slower than reduce-overhead ({v}; speedup)",
-                _ratio(get("decode", "reduce-overhead", "step_ms"), get("decode", v, "step_ms")), lambda x: x >= 1.0)
-    if "cg-full-iteration" in all_results.get("decode", {}):
-        row("decode step within 1.1x of its GPU-busy bound (cg-full-iteration)",
-            _ratio(get("decode", "cg-full-iteration", "step_ms"), get("decode", "cg-full-iteration", "busy_ms")),
-            lambda x: x <= 1.1)
-    for v in ("cg-local-eager+sizes", "cg-local-inductor+sizes"):
-        if v in all_results.get("decode-varying", {}):
-            row(f"decode-varying step faster than reduce-overhead ({v}; speedup)",
-                _ratio(get("decode-varying", "reduce-overhead", "step_ms"), get("decode-varying", v, "step_ms")),
-                lambda x: x > 1.0)
-    for w in NEW_TOKEN_MOE:  # experts captured with dynamic_padding, new tokens every step
-        for v in PADDED_VARIANTS:
-            if v not in all_results.get(w, {}):
-                continue
-            row(f"{w} step >= 3x eager ({v})", _ratio(get(w, "eager", "step_ms"), get(w, v, "step_ms")),
-                lambda x: x >= 3.0)
-            row(f"{w} step >= 2x reduce-overhead ({v}; speedup)",
-                _ratio(get(w, "reduce-overhead", "step_ms"), get(w, v, "step_ms")), lambda x: x >= 2.0)
-            row(f"{w} step within 1.5x of its GPU-busy bound ({v})",
-                _ratio(get(w, v, "step_ms"), get(w, v, "busy_ms")), lambda x: x <= 1.5)
-            row(f"{w} peak memory <= 1.5x eager's ({v})",
-                _ratio(get(w, v, "peak_mib"), get(w, "eager", "peak_mib")), lambda x: x <= 1.5)
-    ran = lambda w: [v for v, r in all_results.get(w, {}).items() if not r.skipped]  # noqa: E731
-    for w in PADDED_MOE:
-        for v in ran(w):
-            if v.startswith("cg-") and ("+max" in v or "+buckets" in v):
-                row(f"{w} step >= 3x eager ({v})", _ratio(get(w, "eager", "step_ms"), get(w, v, "step_ms")),
-                    lambda x: x >= 3.0)
-                row(f"{w} step >= 2x reduce-overhead ({v}; speedup)",
-                    _ratio(get(w, "reduce-overhead", "step_ms"), get(w, v, "step_ms")), lambda x: x >= 2.0)
-    for w in TRAINING:
-        for v in ran(w):
-            if v.startswith("cg-"):
-                row(f"{w} peak memory <= 1.3x eager's ({v})",
-                    _ratio(get(w, v, "peak_mib"), get(w, "eager", "peak_mib")), lambda x: x <= 1.3)
-    for w in all_results:
-        if w.startswith(DECODE_PREFIX):
-            for v in ran(w):
-                if v.startswith("cg-"):
-                    row(f"{w} step within 1.1x of its GPU-busy time ({v})",
-                        _ratio(get(w, v, "step_ms"), get(w, v, "busy_ms")), lambda x: x <= 1.1)
-    return rows
 
 
 def host_time_rows(device: str, quick: bool) -> None:

@@ -18,6 +18,8 @@ $TMPDIR/cgcompile-inductor-cache (--cache-dir chooses); compiles use parallel wo
 The install stage is `pip install --no-deps --no-build-isolation -e .` (the machine's torch is kept; offline).
 Goals, judged in the output: padded MoE (qwen3moe-sync, dynamic_padding max / buckets) >= 3x eager and >= 2x
 reduce-overhead; peak memory <= 1.3x eager on the training workloads; decode within 1.1x of its GPU-busy time.
+Where a stage runs both reduce-overhead and cg-local-inductor (decode-b1, moe-sync, llama-train, moe-train), it
+also prints their kernel-by-kernel table (bench_gpu.py --kernel-diff, gpu_kernels.py; issue 36): any gap named.
 Without CUDA it prints its stage plan and exits 0.
 """
 
@@ -41,6 +43,7 @@ REPORT = "gpu-perf.md"
 LOG = "gpu-perf.log"
 CG_DECODE = "cg-local-eager+block,cg-local-eager+layer,cg-full-iteration"
 SLOW = "reduce-overhead,inductor"  # cold Inductor compiles of a whole model: after cgcompile's rows
+INDUCTOR_DIFF = "reduce-overhead,cg-local-inductor"  # issue 36: any gap between the two, named kernel by kernel
 
 
 @dataclasses.dataclass
@@ -51,6 +54,7 @@ class Stage:
     variants: str = ""
     argv: Optional[List[str]] = None  # a command other than bench_gpu.py
     extra: tuple = ()  # more bench_gpu.py arguments
+    kernel_diff: str = ""  # bench_gpu.py --kernel-diff A,B: the two variants' kernel-by-kernel table (issue 36)
     why: str = ""  # what the stage is for, in the plan
 
     def command(self, python: str, report: str) -> List[str]:
@@ -58,7 +62,8 @@ class Stage:
             return [python if a == "{python}" else a for a in self.argv]
         return [python, "benchmarks/bench_gpu.py", "--quick", "--models", self.models, "--variants", self.variants,
                 "--markdown", report, "--deadline-s", f"{max(self.limit_s - 25, 10):.0f}", "--inductor-cache",
-                "--no-host-time", *self.extra]
+                "--no-host-time", *(("--kernel-diff", self.kernel_diff) if self.kernel_diff else ()),
+                *self.extra]
 
 
 def stages() -> List[Stage]:
@@ -67,19 +72,21 @@ def stages() -> List[Stage]:
         Stage("install", 30, argv=["{python}", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                                    "-e", "."], why="the backend's entry point; torch untouched, no network"),
         Stage("decode-b1", 65, "llama8b-decode-b1", f"eager,{CG_DECODE},reduce-overhead,cg-local-inductor+block",
+              kernel_diff="reduce-overhead,cg-local-inductor+block",
               why="8B-shaped decode, batch 1: launch-bound; goal within 1.1x of GPU-busy"),
         Stage("moe-sync", 110, "qwen3moe-sync",
               "eager,cg-local-eager+max,cg-local-eager+buckets,cg-full-iteration+max,cg-local-eager+off,"
               "reduce-overhead,cg-local-inductor+max,inductor", extra=("--hf-layers", "2"),
+              kernel_diff="reduce-overhead,cg-local-inductor+max",
               why="64-expert MoE with per-expert nonzero, 2 of its 8 layers (Dynamo unrolls the 64-expert loop: "
                   "8 s of tracing per layer on a 2-core CPU, per variant): padded goals >= 3x eager, "
                   ">= 2x reduce-overhead"),
         Stage("llama-train", 75, "llama-train", "eager,cg-local-eager,cg-full-iteration,reduce-overhead,"
                                                 "cg-local-inductor,inductor",
-              why="1B-class dense training step with AdamW: peak memory <= 1.3x eager"),
+              kernel_diff=INDUCTOR_DIFF, why="1B-class dense training step with AdamW: peak memory <= 1.3x eager"),
         Stage("moe-train", 70, "qwen3moe-train", "eager,cg-local-eager,cg-full-iteration,reduce-overhead,"
                                                  "cg-local-inductor,inductor",
-              why="64-expert MoE with grouped_mm experts: peak memory <= 1.3x eager"),
+              kernel_diff=INDUCTOR_DIFF, why="64-expert MoE with grouped_mm experts: peak memory <= 1.3x eager"),
         Stage("decode-b8-b32", 70, "llama8b-decode-b8,llama8b-decode-b32", f"eager,{CG_DECODE},reduce-overhead",
               why="decode at batch 8 and 32: within 1.1x of GPU-busy"),
         Stage("decode-varying", 45, "llama8b-decode-varying",

@@ -27,7 +27,7 @@ import collections
 import os
 import re
 import sys
-from typing import Callable, Counter, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Counter, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # tests.models, tests.hf
@@ -38,7 +38,8 @@ import torch  # noqa: E402
 from cgcompile.profiling import NO_KERNEL_OPS  # noqa: E402
 from cgcompile.runtime.drivers.emulate import REPLAY_RANGE  # noqa: E402
 
-__all__ = ["GOAL", "VARIANTS", "WORKLOADS", "count_kernels", "diff_rows", "kernels_per_step", "workload"]
+__all__ = ["GOAL", "VARIANTS", "WORKLOADS", "count_kernels", "diff_rows", "kernel_events", "kernels_per_step",
+           "workload"]
 
 GOAL = 1.05  # cgcompile-inductor kernels per step vs whole-graph Inductor's
 VARIANTS = ("inductor", "cg-inductor", "cg-eager")
@@ -65,9 +66,10 @@ def _foreach(name: str) -> bool:
     return name.startswith("aten::_foreach_")
 
 
-def count_kernels(events: Iterable) -> Counter:
-    """{(where, op): kernels} over torch.profiler events (anything with .name and .cpu_parent): `where` is "graph"
-    for kernels of a replayed graph, "host" for those launched one by one. The rules: the module docstring."""
+def kernel_events(events: Iterable) -> Iterator[Tuple[str, str, object]]:
+    """(where, op, event) for each kernel among torch.profiler events (anything with .name and .cpu_parent):
+    `where` is "graph" for kernels of a replayed graph, "host" for those launched one by one. The rules: the
+    module docstring. The event is handed out so that a caller can read its time (gpu_kernels.py)."""
     events = list(events)
     has_kernel_child = set()
     for event in events:
@@ -76,7 +78,6 @@ def count_kernels(events: Iterable) -> Counter:
             while parent is not None:
                 has_kernel_child.add(id(parent))
                 parent = parent.cpu_parent
-    found: Counter = collections.Counter()
     for event in events:
         names, parent = [], event.cpu_parent
         while parent is not None:
@@ -89,10 +90,14 @@ def count_kernels(events: Iterable) -> Counter:
             inside = names[:names.index(REPLAY_RANGE)]
             if MODE not in inside and not INDUCTOR_KERNEL.match(event.name):
                 continue  # the emulator's own copies and poison: nothing a GPU graph launches
-            found[("graph", _key(event.name))] += 1
+            yield "graph", _key(event.name), event
         else:
-            found[("host", _key(event.name))] += 1
-    return found
+            yield "host", _key(event.name), event
+
+
+def count_kernels(events: Iterable) -> Counter:
+    """{(where, op): kernels} over torch.profiler events (see kernel_events)."""
+    return collections.Counter((where, op) for where, op, _ in kernel_events(events))
 
 
 # --- workloads -------------------------------------------------------------------------------------------------

@@ -167,6 +167,9 @@ def test_gpu_perf_without_cuda_prints_its_plan():
     named = ",".join(re.findall(r"--models (\S+)", out)).split(",")
     assert set(hf.MODELS) <= set(named) and {"moe", "decode"} <= set(named)
     assert out.count("--markdown ") == len(budgets) - 1 and "--inductor-cache" in out
+    diffs = re.findall(r"--variants (\S+) .*--kernel-diff (\S+),(\S+)", out)  # issue 36's kernel tables
+    assert {"decode-b1", "llama-train", "moe-train"} <= {s.name for s in perf.stages() if s.kernel_diff}
+    assert diffs and all(a == "reduce-overhead" and {a, b} <= set(variants.split(",")) for variants, a, b in diffs)
 
 
 def test_gpu_perf_stage_killed_at_its_limit_keeps_its_rows(tmp_path):
@@ -459,3 +462,72 @@ def test_gpu_perf_cpu_plumbing_writes_the_report_row_by_row(tmp_path):
     assert re.search(r"^- `cg-local-eager\+block`: \d+\.\d+ ms/step, .*\(agrees\)$", report, re.M), report
     assert re.search(r"^- `reduce-overhead`: skipped: needs CUDA", report, re.M), report
     assert "| decode-b1 | ok |" in report and "goals (CPU smoke" in report
+    assert "kernel diff reduce-overhead vs cg-local-inductor+block (llama8b-decode-b1): no table: reduce-overhead " \
+        "(skipped: needs CUDA" in report, report
+
+
+def test_kernel_diff_table_sorts_by_difference_and_sums_every_kernel():
+    """gpu_kernels.diff_table on hand-made tables: the largest launch difference first (time breaks ties), long
+    CUDA names cut for display but kept apart, kernels past `top` summed in one row, totals = sum of the rows,
+    the B / A ratios; a device table from profiler-shaped events; a missing variant named in one line."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    kernels = load_bench("gpu_kernels")
+    long = "void at::native::elementwise_kernel<128, 2, " + "x" * 100
+    a = {"gemm": (10.0, 500.0), "copy": (2.0, 4.0), "norm": (3.0, 30.0), long + "A": (1.0, 1.0), "gone": (1.0, 8.0)}
+    b = {"gemm": (10.0, 400.0), "copy": (8.0, 16.0), "norm": (3.0, 33.0), long + "A": (1.0, 1.0),
+         long + "B": (2.0, 2.0), "extra": (1.0, 2.0)}
+    lines = kernels.diff_table("reduce-overhead", a, "cg-local-inductor", b, top=5)
+    assert lines[0] == ("| kernel | reduce-overhead launches/step | cg-local-inductor launches/step | "
+                        "reduce-overhead µs/step | cg-local-inductor µs/step |")
+    rows = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines[2:-2]]
+    # |launch diff|: copy 6, long+B 2, then 1 each (gone 8 µs, extra 2 µs), then 0 each (gemm 100 µs, norm 3 µs)
+    assert [r[0] for r in rows] == ["copy", long[:79] + "…", "gone", "extra", "gemm", "(2 more kernels)"]
+    assert rows[1][1:] == ["0.0", "2.0", "0.0", "2.0"] and rows[-1][1:] == ["4.0", "4.0", "31.0", "34.0"]
+    total = [c.strip() for c in lines[-2].strip("|").split(" | ")]
+    assert total == ["total (7 kernels)", "17.0", "25.0", "543.0", "454.0"]
+    for i in range(1, 5):
+        assert float(total[i]) == sum(float(r[i]) for r in rows)
+    assert lines[-1] == "cg-local-inductor / reduce-overhead: launches 1.47x, time 0.84x"
+    assert kernels.shown("a|b") == "a\\|b"
+
+    def ev(name, device, us):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    events = [ev("gemm_kernel", DeviceType.CUDA, 30), ev("gemm_kernel", DeviceType.CUDA, 50),
+              ev("Memcpy HtoD (Pageable -> Device)", DeviceType.CUDA, 4), ev("cudaGraphLaunch", DeviceType.CPU, 9),
+              ev("aten::mm", DeviceType.CPU, 60)]
+    assert kernels.cuda_kernel_table(events, n=2) == {"gemm_kernel": (1.0, 40.0),
+                                                       "Memcpy HtoD (Pageable -> Device)": (0.5, 2.0)}
+    bench = load_bench_gpu()
+    results = {"reduce-overhead": bench.Result("reduce-overhead", skipped="needs CUDA (cudagraph trees)"),
+               "cg-local-inductor": bench.Result("cg-local-inductor", kernels=b)}
+    assert kernels.kernel_diff_lines("decode", results, "reduce-overhead", "cg-local-inductor", False) == [
+        ("kernel diff reduce-overhead vs cg-local-inductor (decode): no table: reduce-overhead (skipped: needs CUDA "
+         "(cudagraph trees))")]
+
+
+def test_bench_gpu_cpu_smoke_kernel_diff(tmp_path):
+    """--kernel-diff A,B on the CPU: the table comes from each variant's profiled pass (a replayed graph's kernels
+    counted as kernels, as on a GPU), is printed and appended to the markdown report, its totals the rows' sums."""
+    report = tmp_path / "r.md"
+    out = run_script("bench_gpu.py", "--cpu-smoke", "--quick", "--models", "decode", "--variants",
+                     "eager,cg-local-eager", "--kernel-diff", "eager,cg-local-eager", "--no-host-time",
+                     "--markdown", str(report), timeout=120)
+    head = "| kernel | eager launches/step | cg-local-eager launches/step | eager µs/step | cg-local-eager µs/step |"
+    for text in (out, report.read_text()):
+        assert "kernel diff eager (A) vs cg-local-eager (B), decode; CPU proxy" in text, text
+        lines = text.split(head + "\n")[1].splitlines()
+        rows = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines[1:]
+                if line.startswith("| ") and not line.startswith("| total")]
+        total = next(line for line in lines if line.startswith("| total"))
+        total = [float(c) for c in total.strip("|").split(" | ")[1:]]
+        table = {r[0]: [float(c) for c in r[1:]] for r in rows}
+        assert "aten::mm" in table and table["aten::mm"][0] > 0 and table["aten::mm"][1] > 0, text
+        for i in range(4):
+            assert abs(total[i] - sum(r[i] for r in table.values())) <= 0.05 * len(table), (i, text)
+        # the kernels inside cg-local-eager's replayed graph count: far more than its launches outside replays
+        assert total[1] > 2 * float(rows_of(table_of(out, "decode"))["cg-local-eager"]["launches"]), text
+        assert re.search(r"^cg-local-eager / eager: launches \d+\.\d\dx, time \d+\.\d\dx$", text, re.MULTILINE), text
