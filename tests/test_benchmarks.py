@@ -3,35 +3,11 @@
 Numbers are not asserted (this is a shared CPU); the tables' shape, the goals and the failure paths are.
 """
 
-import importlib.util
 import os
 import re
-import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_script(name, *args, timeout=240):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")  # CPU path; no OpenMP spinning
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", name), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{name} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    return proc.stdout
-
-
-def load_bench(name):
-    if os.path.join(ROOT, "benchmarks") not in sys.path:  # the scripts import each other (gpu_harness, workloads_*)
-        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def load_bench_gpu():
-    return load_bench("bench_gpu")
+from tests.bench_scripts import load_bench, load_bench_gpu, rows_of, run_script, table_of
 
 
 def test_bench_gpu_skips_without_cuda():
@@ -42,23 +18,6 @@ def test_bench_gpu_skips_without_cuda():
 
 SMOKE_VARIANTS = ("eager,cg-local-eager,cg-full-iteration,cg-local-eager+sizes,cg-local-eager+max,"
                   "cg-full-iteration+max")
-
-
-def table_of(out, workload):
-    return out.split(f"\n{workload}: ")[1].split("\n\n")[0]
-
-
-def rows_of(table):
-    """{variant: {column: cell}} for the measured rows of a printed table (cells are split on 2+ spaces)."""
-    lines = table.splitlines()
-    header_at = next(i for i, line in enumerate(lines) if line.startswith("variant "))
-    header = re.split(r"\s{2,}", lines[header_at].strip())
-    rows = {}
-    for line in lines[header_at + 1:]:
-        cells = re.split(r"\s{2,}", line.strip())
-        if len(cells) == len(header) and not line.startswith(" "):
-            rows[cells[0]] = dict(zip(header, cells))
-    return rows
 
 
 def test_bench_gpu_cpu_smoke_reports_every_variant_and_refusal():
@@ -208,83 +167,6 @@ def test_goal_rows_issue_37_goals():
         ("1.05x", "PASS")
     assert verdicts["llama8b-decode-b1 step within 1.1x of its GPU-busy time (cg-local-eager+layer)"] == \
         ("1.50x", "MISS")
-
-
-def test_cuda_counts_from_profiler_events():
-    """The CUDA-only counting, on events shaped like torch.profiler's: runtime/driver launch calls by substring
-    (names differ across CUDA versions), graph launches apart, device-side memcpy only as busy time, syncs from
-    the aten ops."""
-    from types import SimpleNamespace
-
-    from torch.autograd import DeviceType
-
-    bench = load_bench_gpu()
-
-    def ev(name, device=DeviceType.CPU, us=0, parent=None):
-        return SimpleNamespace(name=name, device_type=device, cpu_parent=parent,
-                               time_range=SimpleNamespace(elapsed_us=lambda: us))
-
-    index = ev("aten::index")
-    events = [ev(n) for n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
-                              "cudaMemcpyAsync", "cudaMemsetAsync", "cudaGraphLaunch", "cudaGraphLaunch_v10000",
-                              "cudaStreamSynchronize", "cudaEventRecord", "aten::mm", "aten::copy_")]
-    events += [ev("void gemm_kernel<...>", DeviceType.CUDA, us=300),
-               ev("Memcpy DtoH (Device -> Pageable)", DeviceType.CUDA, us=100),
-               index, ev("aten::nonzero", parent=index), ev("aten::nonzero"),
-               ev("cudaLaunchKernel", parent=index)]
-    busy, launches, graphs, syncs = bench.cuda_counts(events, n=2)
-    assert busy == 0.2  # (300 + 100) us over 2 steps
-    assert (launches, graphs, syncs) == (7 / 2, 2 / 2, 2 / 2)
-    assert bench.cuda_counts([ev("aten::mm")], n=1)[0] is None  # no device activity seen: no busy bound
-
-
-def test_host_op_counter_sees_nested_syncs():
-    """torch.where(mask) reads the count through aten::nonzero_numpy, .item() through aten::item: a top-level op
-    that reaches a sync op is one sync, however deep."""
-    import torch
-
-    from cgcompile.profiling import HostOpCounter
-
-    x = torch.tensor([0.0, 1.0, 2.0])
-    with HostOpCounter() as counter:
-        torch.where(x > 0)
-        x.sum().item()
-        x[x > 0]
-        torch.nonzero(x)
-        x * 2
-    assert counter.syncs == 4
-    assert counter.ops == 4 + 4  # the four that read nothing (gt twice, sum, mul) are ops, not syncs
-    assert counter.replays == 0
-
-
-def test_kernel_count_counts_each_kernel_once_and_not_the_emulators_own_work():
-    """Table (j)'s rules on events shaped like torch.profiler's: the innermost kernel-running op (the emulator's
-    dispatch mode shows a graph's op twice), an Inductor kernel, a _foreach_ op once, no-kernel ops never, and
-    inside a replay only the graph's ops (the emulator's own copies and poison launch nothing on a GPU)."""
-    from types import SimpleNamespace
-
-    kernels = load_bench("kernel_count")
-
-    def ev(name, parent=None):
-        return SimpleNamespace(name=name, cpu_parent=parent)
-
-    replay = ev(kernels.REPLAY_RANGE)
-    outer_mm = ev("aten::mm", replay)
-    mode = ev("PythonDispatchMode", outer_mm)
-    foreach = ev("aten::_foreach_copy_")
-    linear = ev("aten::linear")
-    bmm = ev("aten::bmm")
-    events = [replay, outer_mm, mode, ev("aten::mm", mode), ev("graph_3_cpp_fused_add_0", replay),
-              ev("aten::copy_", replay), ev("aten::fill_", replay),  # the emulator's own work
-              foreach, ev("aten::copy_", foreach), ev("aten::copy_", foreach), linear, ev("aten::addmm", linear),
-              bmm, ev("aten::resolve_conj", bmm), ev("aten::to"), ev("aten::detach"), ev("aten::clone")]
-    found = kernels.count_kernels(events)
-    assert found == {("graph", "aten::mm"): 1, ("graph", "inductor cpp_fused_add_0"): 1,
-                     ("host", "aten::_foreach_copy_"): 1, ("host", "aten::addmm"): 1, ("host", "aten::bmm"): 1,
-                     ("host", "aten::clone"): 1}
-    base = {("host", "inductor cpp_fused_add_0"): 1, ("host", "aten::mm"): 1}
-    rows = kernels.diff_rows({"inductor": base, "cg-inductor": found}, "inductor", "cg-inductor")
-    assert [op for op, _ in rows] == ["aten::_foreach_copy_", "aten::addmm", "aten::bmm", "aten::clone"]
 
 
 def test_error_line_unwraps_backend_failures():
@@ -464,70 +346,3 @@ def test_gpu_perf_cpu_plumbing_writes_the_report_row_by_row(tmp_path):
     assert "| decode-b1 | ok |" in report and "goals (CPU smoke" in report
     assert "kernel diff reduce-overhead vs cg-local-inductor+block (llama8b-decode-b1): no table: reduce-overhead " \
         "(skipped: needs CUDA" in report, report
-
-
-def test_kernel_diff_table_sorts_by_difference_and_sums_every_kernel():
-    """gpu_kernels.diff_table on hand-made tables: the largest launch difference first (time breaks ties), long
-    CUDA names cut for display but kept apart, kernels past `top` summed in one row, totals = sum of the rows,
-    the B / A ratios; a device table from profiler-shaped events; a missing variant named in one line."""
-    from types import SimpleNamespace
-
-    from torch.autograd import DeviceType
-
-    kernels = load_bench("gpu_kernels")
-    long = "void at::native::elementwise_kernel<128, 2, " + "x" * 100
-    a = {"gemm": (10.0, 500.0), "copy": (2.0, 4.0), "norm": (3.0, 30.0), long + "A": (1.0, 1.0), "gone": (1.0, 8.0)}
-    b = {"gemm": (10.0, 400.0), "copy": (8.0, 16.0), "norm": (3.0, 33.0), long + "A": (1.0, 1.0),
-         long + "B": (2.0, 2.0), "extra": (1.0, 2.0)}
-    lines = kernels.diff_table("reduce-overhead", a, "cg-local-inductor", b, top=5)
-    assert lines[0] == ("| kernel | reduce-overhead launches/step | cg-local-inductor launches/step | "
-                        "reduce-overhead µs/step | cg-local-inductor µs/step |")
-    rows = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines[2:-2]]
-    # |launch diff|: copy 6, long+B 2, then 1 each (gone 8 µs, extra 2 µs), then 0 each (gemm 100 µs, norm 3 µs)
-    assert [r[0] for r in rows] == ["copy", long[:79] + "…", "gone", "extra", "gemm", "(2 more kernels)"]
-    assert rows[1][1:] == ["0.0", "2.0", "0.0", "2.0"] and rows[-1][1:] == ["4.0", "4.0", "31.0", "34.0"]
-    total = [c.strip() for c in lines[-2].strip("|").split(" | ")]
-    assert total == ["total (7 kernels)", "17.0", "25.0", "543.0", "454.0"]
-    for i in range(1, 5):
-        assert float(total[i]) == sum(float(r[i]) for r in rows)
-    assert lines[-1] == "cg-local-inductor / reduce-overhead: launches 1.47x, time 0.84x"
-    assert kernels.shown("a|b") == "a\\|b"
-
-    def ev(name, device, us):
-        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(elapsed_us=lambda: us))
-
-    events = [ev("gemm_kernel", DeviceType.CUDA, 30), ev("gemm_kernel", DeviceType.CUDA, 50),
-              ev("Memcpy HtoD (Pageable -> Device)", DeviceType.CUDA, 4), ev("cudaGraphLaunch", DeviceType.CPU, 9),
-              ev("aten::mm", DeviceType.CPU, 60)]
-    assert kernels.cuda_kernel_table(events, n=2) == {"gemm_kernel": (1.0, 40.0),
-                                                       "Memcpy HtoD (Pageable -> Device)": (0.5, 2.0)}
-    bench = load_bench_gpu()
-    results = {"reduce-overhead": bench.Result("reduce-overhead", skipped="needs CUDA (cudagraph trees)"),
-               "cg-local-inductor": bench.Result("cg-local-inductor", kernels=b)}
-    assert kernels.kernel_diff_lines("decode", results, "reduce-overhead", "cg-local-inductor", False) == [
-        ("kernel diff reduce-overhead vs cg-local-inductor (decode): no table: reduce-overhead (skipped: needs CUDA "
-         "(cudagraph trees))")]
-
-
-def test_bench_gpu_cpu_smoke_kernel_diff(tmp_path):
-    """--kernel-diff A,B on the CPU: the table comes from each variant's profiled pass (a replayed graph's kernels
-    counted as kernels, as on a GPU), is printed and appended to the markdown report, its totals the rows' sums."""
-    report = tmp_path / "r.md"
-    out = run_script("bench_gpu.py", "--cpu-smoke", "--quick", "--models", "decode", "--variants",
-                     "eager,cg-local-eager", "--kernel-diff", "eager,cg-local-eager", "--no-host-time",
-                     "--markdown", str(report), timeout=120)
-    head = "| kernel | eager launches/step | cg-local-eager launches/step | eager µs/step | cg-local-eager µs/step |"
-    for text in (out, report.read_text()):
-        assert "kernel diff eager (A) vs cg-local-eager (B), decode; CPU proxy" in text, text
-        lines = text.split(head + "\n")[1].splitlines()
-        rows = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines[1:]
-                if line.startswith("| ") and not line.startswith("| total")]
-        total = next(line for line in lines if line.startswith("| total"))
-        total = [float(c) for c in total.strip("|").split(" | ")[1:]]
-        table = {r[0]: [float(c) for c in r[1:]] for r in rows}
-        assert "aten::mm" in table and table["aten::mm"][0] > 0 and table["aten::mm"][1] > 0, text
-        for i in range(4):
-            assert abs(total[i] - sum(r[i] for r in table.values())) <= 0.05 * len(table), (i, text)
-        # the kernels inside cg-local-eager's replayed graph count: far more than its launches outside replays
-        assert total[1] > 2 * float(rows_of(table_of(out, "decode"))["cg-local-eager"]["launches"]), text
-        assert re.search(r"^cg-local-eager / eager: launches \d+\.\d\dx, time \d+\.\d\dx$", text, re.MULTILINE), text
