@@ -130,6 +130,11 @@ def test_training_steps_match_eager_and_replay(runtimes):  # noqa: F811
     s = stats()
     assert s["graphs_captured"] == captured == 8 and s["replays"] > 8 and s["pool_bytes"] > 0
     assert s["eager_fallbacks"] == [] and s["recaptures"] == []
+    # what the live graphs hold by kind, on the cuda driver too (issue 37): the pool each capture reserved, the
+    # backward graphs' gradients, and a total that counts them
+    memory = s["graph_memory"]
+    assert memory["pool"] == s["pool_bytes"] and memory["gradients"] > 0, memory
+    assert memory["total"] >= memory["pool"] + memory["gradients"], memory
     # zero_grad sets the grads to None: AccumulateGrad keeps the backward graphs' outputs as .grad (no copy), as on
     # the CPU (test_runtime_traps.test_training_steps_match_eager_sgd), and the steps above stay exact
     assert all(is_static(runtimes, p.grad) for p in model.parameters())
