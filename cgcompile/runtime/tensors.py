@@ -121,8 +121,8 @@ def storage_ptr(t: torch.Tensor) -> int:
 def inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
     """The plain tensors holding t's data, in aot_autograd's flattening order: [t] for a plain tensor; for a wrapper
     subclass, the tensor attributes `__tensor_flatten__` names, recursively (a DTensor: its local shard)."""
-    if not _compat.is_wrapper_subclass(t):
-        return [t]
+    if type(t) is torch.Tensor or not _compat.is_wrapper_subclass(t):  # a plain tensor without the subclass test:
+        return [t]  # the steady path asks this of every output (2-3 µs a step in a real decode loop, measured)
     names, _ = t.__tensor_flatten__()
     attributes = [getattr(t, name) for name in names]  # DTensor's include its device mesh, which holds no data
     return [inner for value in attributes if isinstance(value, torch.Tensor) for inner in inner_tensors(value)]
