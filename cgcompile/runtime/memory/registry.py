@@ -50,15 +50,7 @@ class MemoryRegistry:
     def handed_out(self, value: Any) -> Any:
         """What the caller may keep of `value`: a clone when it aliases our graphs' memory (the next replay writes
         there), else `value` itself."""
-        owners = self._owners
-        if not owners or not isinstance(value, torch.Tensor):
-            return value
-        if any(storage_ptr(inner) in owners for inner in inner_tensors(value)):
-            return value.clone()
-        return value
-
-    def any_owned(self) -> bool:
-        return bool(self._owners)
+        return value.clone() if self.owns(value) else value
 
     def owner(self, t: torch.Tensor) -> Any:
         """The graph or output arena owning t's memory, or None."""
