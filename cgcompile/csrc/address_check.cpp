@@ -5,7 +5,7 @@
 // taking a hundred parameters; CUDA builds of torch have one call for it (torch._C._tensors_data_ptrs_at_indices_equal,
 // pybind casts per argument), CPU builds none. This module is that one call for any build. It needs no torch
 // headers: the data pointer of a plain Tensor or Parameter is read through the C function torch exports for
-// Inductor's own C++ kernel bindings (its address is handed over by cgcompile/_compat.py, which checks it
+// Inductor's own C++ kernel bindings (its address is handed over by cgcompile/_compat/__init__.py, which checks it
 // exists); any other object (a tensor subclass) is asked through its Python data_ptr() method.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

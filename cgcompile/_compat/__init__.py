@@ -1,7 +1,9 @@
 """The one place cgcompile touches private torch APIs.
 
 Each wrapper names the private API it uses and the torch versions it was checked against (2.13 CPU here,
-2.11 on the GPU image). When torch moves one of them, this file is the only one to fix.
+2.11 on the GPU image). When torch moves one of them, this package is the only place to fix: this module, and
+beside it cuda.py (CUDA graph pools and generators in captures) and fsdp.py (FSDP2's parameter state), whose
+names it re-exports, so the rest of cgcompile asks `_compat` alone.
 """
 
 from __future__ import annotations
@@ -9,8 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import sys
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -29,6 +30,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: E402
 # torch.utils._python_dispatch.TorchDispatchMode: a private module, stable since 1.13; checked 2.11, 2.13.
 # is_traceable_wrapper_subclass from the same module: see is_wrapper_subclass.
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass  # noqa: E402
+
+from .cuda import (cuda_end_allocate_to_pool, cuda_release_pool, generator_capture_state_outlives_failure,  # noqa: E402
+                   is_unregistered_generator_error)
+from .fsdp import FsdpParam, fsdp2_keep_unsharded, fsdp2_params, fsdp2_restore_free  # noqa: E402
 
 
 def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
@@ -204,7 +209,7 @@ def _compiled_address_check() -> Optional[Callable[[tuple, tuple], Callable[[Seq
     `void* (PyObject*)` that Inductor's generated C++ kernel bindings read tensor arguments with (private; run on
     2.13; the helper is only set up where it exists). None where the helper was not built (no C++ compiler)."""
     try:
-        from . import _address_check
+        from .. import _address_check
     except ImportError:
         return None
     reader = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
@@ -301,65 +306,6 @@ def storage_weak_ref(t: torch.Tensor) -> Any:
     return StorageWeakRef(t.untyped_storage())
 
 
-def cuda_end_allocate_to_pool(device: torch.device, pool: Any) -> bool:
-    """After a failed capture, stop routing allocations to the graph's pool; True if a recording was ended.
-
-    CUDAGraph::capture_end (aten/src/ATen/cuda/CUDAGraph.cpp, 2.11/2.13) raises on cudaStreamEndCapture's
-    error *before* calling endAllocateToPool, leaving the pool marked as capturing.
-    torch._C._cuda_endAllocateToPool (torch/cuda/memory.py and _inductor/cudagraph_trees.py use it) ends that;
-    it raises when the pool is not recording (capture_end did end it), which we report as False.
-    """
-    try:
-        torch._C._cuda_endAllocateToPool(_index(device), tuple(pool))
-        return True
-    except Exception:
-        return False
-
-
-def cuda_release_pool(device: torch.device, pool: Any) -> None:
-    """Drop the reference CUDAGraph::capture_begin took on the pool (beginAllocateToPool increfs it; only the
-    graph's reset() would release it, and a graph whose capture failed never does): torch._C._cuda_releasePool,
-    paired with _cuda_endAllocateToPool the same way in torch/cuda/memory.py (checked 2.11, 2.13). Best effort."""
-    try:
-        torch._C._cuda_releasePool(_index(device), tuple(pool))
-    except Exception:
-        pass
-
-
-# --- CUDA generators in captures (read in each release's CUDA build: aten/src/ATen/cuda/CUDAGeneratorImpl.h and the
-# messages of libtorch_cuda.so of torch 2.11.0, 2.12.0 and 2.13.0 for CUDA 13.0) -------------------------------------
-# 2.11: a generator's state has one `capturing_` flag, set when a capture begins (CUDAGraph::capture_begin registers
-#   the current device's default generator and calls its capture_prologue) and cleared by capture_epilogue, which
-#   capture_end reaches only after cudaStreamEndCapture succeeded. A capture that fails inside CUDA (a sync op
-#   invalidated it) leaves the flag set: every later eager draw from that generator raises "Offset increment outside
-#   graph capture encountered unexpectedly." until some capture on that device completes. A generator that was not
-#   registered raises "Attempt to increase offset for a CUDA generator not in capture mode." when drawn from
-#   inside a capture.
-# 2.12, 2.13: per-capture state keyed by capture id (CUDAGeneratorCaptureState): nothing outlives a failed capture.
-#   The default generator is still registered by capture_begin; any other generator must be registered with
-#   CUDAGraph.register_generator_state before capture_begin, else drawing from it during capture raises "RNG op
-#   during graph capture but generator is not registered with the capturing graph." Lazy registration of other
-#   generators is not in these releases.
-UNREGISTERED_GENERATOR_MESSAGES = ("generator is not registered with the capturing graph",  # 2.12, 2.13
-                                   "Attempt to increase offset for a CUDA generator not in capture mode")  # 2.11
-
-
-def generator_capture_state_outlives_failure(version: Any = None) -> bool:
-    """Does a capture that failed inside CUDA leave the device's default generator in capture mode (torch < 2.12,
-    see above)? `version` defaults to the running torch."""
-    return torch.torch_version.TorchVersion(str(version or torch.__version__)) < (2, 12)
-
-
-def is_unregistered_generator_error(message: str) -> bool:
-    """Is this capture failure a draw from a generator the capture did not register (a torch.Generator of the
-    user's own; both wordings above)?"""
-    return any(text in message for text in UNREGISTERED_GENERATOR_MESSAGES)
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def functorch_level() -> int:
     """How many functorch transforms (vmap, grad, jvp, ...) are active on this thread: 0 outside any.
     torch._C._functorch.maybe_current_level (checked 2.11, 2.13), which returns None outside every transform."""
@@ -404,77 +350,6 @@ def dynamo_frame() -> tuple:
     code, f_locals = getattr(tx, "f_code", None), getattr(tx, "f_locals", None)
     resume = code is not None and code.co_name.startswith("torch_dynamo_resume_in_")
     return code, (f_locals if isinstance(f_locals, dict) else {}), resume
-
-
-# --- FSDP2 (torch.distributed.fsdp._fully_shard, private modules) ---------------------------------------------
-# Checked on 2.13 (installed, run by tests/test_fsdp.py) and in the pytorch main source; 2.11 not run (both
-# spellings of the param groups are handled). Used: FSDPState per fully_shard call, found through
-# torch.distributed._composable_state._module_state_mapping (module -> weakref to its state); its param groups
-# (`_fsdp_param_groups`, a list since per-parameter meshes; `_fsdp_param_group`, one or None, before);
-# FSDPParamGroup._reshard_after_forward; FSDPParam._unsharded_param (built at the first all-gather, then the same
-# object), `sharded_param`, `_param_fqn`, `sharded_state`, `all_gather_outputs`, `_unsharded_inner_tensors` and
-# `free_unsharded_param()`, which resizes their storage to 0 at every reshard (alloc_storage sizes it again
-# before the next all-gather copy-out, at a new address, and skips a storage that already has the full size).
-_FSDP_STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
-
-
-class FsdpParam(NamedTuple):
-    """One FSDP2-managed parameter whose unsharded form exists (it has been all-gathered once)."""
-
-    unsharded: torch.nn.Parameter  # what the wrapped module reads while unsharded (the same object each step)
-    sharded: torch.nn.Parameter  # the DTensor parameter model.parameters() returns while sharded
-    handle: Any  # FSDP2's FSDPParam
-    fqn: str
-    resharded_after_forward: bool  # fully_shard(reshard_after_forward=True) for its group (not the root's)
-    nbytes: int  # its unsharded storage (all-gather outputs, padded)
-
-
-def fsdp2_params() -> List[FsdpParam]:
-    """Every FSDP2 parameter alive in this process with an unsharded form; [] at once when FSDP2's state module
-    was never imported (no fully_shard call), so ordinary models pay one dict lookup."""
-    state_module = sys.modules.get(_FSDP_STATE_MODULE)
-    if state_module is None:
-        return []
-    from torch.distributed._composable_state import _module_state_mapping
-
-    found: List[FsdpParam] = []
-    states = {id(s): s for s in (ref() for ref in list(_module_state_mapping.values()))
-              if isinstance(s, state_module.FSDPState)}
-    for state in states.values():
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            group = getattr(state, "_fsdp_param_group", None)
-            groups = [group] if group is not None else []
-        for group in groups:
-            resharded = bool(group._reshard_after_forward)
-            for handle in group.fsdp_params:
-                unsharded = getattr(handle, "_unsharded_param", None)
-                if unsharded is None:
-                    continue
-                outputs = list(handle.all_gather_outputs) + list(getattr(handle, "_unsharded_inner_tensors", ()))
-                nbytes = sum(t.numel() * t.element_size() for t in outputs)
-                found.append(FsdpParam(unsharded, handle.sharded_param, handle, str(handle._param_fqn), resharded,
-                                       nbytes))
-    return found
-
-
-def _keep_storage() -> None:
-    """Stands in for FSDPParam.free_unsharded_param while cgcompile keeps the unsharded storage."""
-
-
-def fsdp2_keep_unsharded(handle: Any) -> None:
-    """Make FSDP2 keep this parameter's unsharded storage at reshard: an instance attribute shadows
-    FSDPParam.free_unsharded_param (the all-gathers go on, into the same storage)."""
-    handle.free_unsharded_param = _keep_storage
-
-
-def fsdp2_restore_free(handle: Any) -> None:
-    """Undo fsdp2_keep_unsharded, and free the storage now if FSDP2 would have (the parameter is resharded)."""
-    if vars(handle).get("free_unsharded_param") is not _keep_storage:
-        return
-    del handle.free_unsharded_param
-    if getattr(handle.sharded_state, "name", None) != "UNSHARDED":
-        handle.free_unsharded_param()
 
 
 def graph_input_source(node: Any) -> Optional[str]:
