@@ -1,7 +1,8 @@
 """Spawn test workers as separate processes on gloo over loopback, time-bounded, results back as JSON.
 
 A test module that runs ranks is also the worker script: run as `python <file> RANK WORLD PORT OUT_DIR`, its
-`__main__` calls `init_gloo(...)`, does its work and writes `OUT_DIR/rank<RANK>.json` with `write_result`.
+`__main__` calls `serve(work, timeout_s)`, which joins the gloo group (`init_gloo`), runs `work(rank, world)` and
+writes the dict it returns to `OUT_DIR/rank<RANK>.json` (`write_result`).
 `run_ranks` starts the workers, kills them all at the deadline or as soon as one fails (its peer would block in
 a collective), and fails the test with every worker's output.
 """
@@ -14,9 +15,10 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from datetime import timedelta
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import pytest
 
@@ -42,6 +44,26 @@ def write_result(out_dir: str, rank: int, result: dict) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"rank {rank}: result written", file=sys.stderr, flush=True)  # a crash after this is in the teardown
+
+
+def serve(work: Callable[[int, int], dict], timeout_s: float) -> None:
+    """In a worker run as `python <file> RANK WORLD PORT OUT_DIR`: `work(rank, world)`'s JSON-able result written
+    for `run_ranks`. One frame for every distributed test's worker: the group is destroyed even when the work
+    raises (the peer is not left blocked on it), and the traceback is printed before that teardown, which gloo's
+    threads may abort, losing an exception printed only at exit."""
+    import torch.distributed as dist
+
+    rank, world, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    init_gloo(rank, world, port, timeout_s)
+    try:
+        result = work(rank, world)
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise SystemExit(1)  # printed already: exit as an uncaught exception does, without printing it twice
+    finally:
+        dist.destroy_process_group()
+    write_result(out_dir, rank, result)
 
 
 def run_ranks(script: str, out, world: int, timeout_s: float, name: str) -> list:

@@ -11,16 +11,15 @@ all-to-all inside the model) with DDP over the non-expert parameters. Results co
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
 try:
-    from tests.spawn import capture_counters, init_gloo, run_ranks, write_result
+    from tests.spawn import capture_counters, run_ranks, serve
 except ModuleNotFoundError:  # tests/ itself on sys.path
-    from spawn import capture_counters, init_gloo, run_ranks, write_result
+    from spawn import capture_counters, run_ranks, serve
 
 WORLD = 2
 TIMEOUT_S = 150
@@ -144,18 +143,13 @@ def _expert_parallel(rank):
     return result
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    init_gloo(rank, world, port, TIMEOUT_S)
-    result = {}
-    try:
-        result["graphs_per_step"] = _graph_count(rank)
-        for static_graph in (False, True):
-            result[f"static_graph={static_graph}"] = _train(rank, STEPS, 1, static_graph, **_dense(rank))
-        result["no_sync"] = _train(rank, STEPS, 2, False, **_dense(rank))
-        result["expert_parallel"] = _expert_parallel(rank)
-    finally:
-        dist.destroy_process_group()
-    write_result(out_dir, rank, result)
+def work(rank: int, world: int) -> dict:
+    result = {"graphs_per_step": _graph_count(rank)}
+    for static_graph in (False, True):
+        result[f"static_graph={static_graph}"] = _train(rank, STEPS, 1, static_graph, **_dense(rank))
+    result["no_sync"] = _train(rank, STEPS, 2, False, **_dense(rank))
+    result["expert_parallel"] = _expert_parallel(rank)
+    return result
 
 
 # ---- tests (run in pytest) -------------------------------------------------------------------------------
@@ -202,4 +196,4 @@ def test_expert_parameters_are_left_out_of_ddp(ranks):
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    serve(work, TIMEOUT_S)

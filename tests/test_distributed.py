@@ -15,17 +15,15 @@ deadline and the tests fail with its output.
 from __future__ import annotations
 
 import os
-import sys
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 
 try:
-    from tests.spawn import init_gloo, run_ranks, write_result
+    from tests.spawn import run_ranks, serve
 except ModuleNotFoundError:  # tests/ itself on sys.path
-    from spawn import init_gloo, run_ranks, write_result
+    from spawn import run_ranks, serve
 
 WORLD = 2
 TIMEOUT_S = 100
@@ -127,8 +125,7 @@ def _emulated_steps(rank, group):
                                                                 "eager_fallbacks")}}
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    init_gloo(rank, world, port, TIMEOUT_S)
+def work(rank: int, world: int) -> dict:
     import cgcompile
     from cgcompile.backend import record_plans
     from tests.models import ep_moe
@@ -136,63 +133,56 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     group = dist.group.WORLD
     result = {"rank": rank, "ep_lines": {k: ep_moe.ep_lines(k) for k in
                                          ("sync", "a2a", "counts_a2a", "all_reduce")}}
-    try:
-        result["reference"] = _reference_check(rank, world, group)
+    result["reference"] = _reference_check(rank, world, group)
 
-        # compiled with capture_scalar_outputs=True: one graph, the dispatch planned as an eager island
-        eager, model = ep_moe.build(group=group), ep_moe.build(group=group)
-        compiled, gms = _compile_recording(model, OPTIONS)
-        steps, plans = [], []
-        with torch._dynamo.config.patch(capture_scalar_outputs=True):
-            for step in range(STEPS):
-                (tokens,) = ep_moe.example_inputs(seed=step, rank=rank)
-                eager.zero_grad(set_to_none=True)
-                model.zero_grad(set_to_none=True)
-                ref = ep_moe.loss(eager, tokens)
-                ref.backward()
-                with record_plans() as rec:
-                    out = ep_moe.loss(compiled, tokens)
-                    out.backward()
-                grads = {}
-                for (name, p), (_, q) in zip(eager.named_parameters(), model.named_parameters()):
-                    if p.grad is None or q.grad is None:
-                        grads[name] = {"missing": True}
-                    else:
-                        grads[name] = {"max_diff": (p.grad - q.grad).abs().max().item(), "norm": p.grad.norm().item()}
-                plans.extend(rec.graphs)
-                steps.append({"loss": ref.item(), "loss_diff": abs(ref.item() - out.item()), "grads": grads,
-                              "new_graphs": len(rec.graphs)})
-        result["steps"] = steps
-        result["plans"] = [_plan_summary(gp, gm) for gp, gm in zip(plans, gms)]
-        result["plan_text"] = str(cgcompile.Plan(cgcompile.CudaGraphConfig.from_options(OPTIONS), list(plans)))
-
-        # the emulate driver: captured partitions (holding the fixed collectives) go through capture and replay
-        result["emulate"] = _emulated_steps(rank, group)
-
-        # default Dynamo flags: the .tolist() is a graph break, named by explain
-        torch._dynamo.reset()
-        (tokens,) = ep_moe.example_inputs(seed=0, rank=rank)
-        plan = cgcompile.explain(ep_moe.build(group=group), tokens, options=OPTIONS)
-        result["graph_breaks"] = [{"line": _line(b.location), "reason": b.reason.strip().splitlines()[0]}
-                                  for b in plan.graph_breaks]
-
-        # default flags, whole layer: after a recompile the split sizes enter the graph as Python ints
-        torch._dynamo.reset()
-        compiled, gms = _compile_recording(ep_moe.build(group=group), {"cuda_graph_impl": "local"})
-        plans = []
-        for step in range(3):
+    # compiled with capture_scalar_outputs=True: one graph, the dispatch planned as an eager island
+    eager, model = ep_moe.build(group=group), ep_moe.build(group=group)
+    compiled, gms = _compile_recording(model, OPTIONS)
+    steps, plans = [], []
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        for step in range(STEPS):
             (tokens,) = ep_moe.example_inputs(seed=step, rank=rank)
+            eager.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            ref = ep_moe.loss(eager, tokens)
+            ref.backward()
             with record_plans() as rec:
-                ep_moe.loss(compiled, tokens).backward()
+                out = ep_moe.loss(compiled, tokens)
+                out.backward()
+            grads = {}
+            for (name, p), (_, q) in zip(eager.named_parameters(), model.named_parameters()):
+                if p.grad is None or q.grad is None:
+                    grads[name] = {"missing": True}
+                else:
+                    grads[name] = {"max_diff": (p.grad - q.grad).abs().max().item(), "norm": p.grad.norm().item()}
             plans.extend(rec.graphs)
-        result["whole_layer_plans"] = [_plan_summary(gp, gm) for gp, gm in zip(plans, gms)]
-    except BaseException:
-        traceback.print_exc()  # now: a teardown that aborts (gloo's threads) would swallow the traceback
-        sys.stderr.flush()
-        raise
-    finally:
-        dist.destroy_process_group()
-    write_result(out_dir, rank, result)
+            steps.append({"loss": ref.item(), "loss_diff": abs(ref.item() - out.item()), "grads": grads,
+                          "new_graphs": len(rec.graphs)})
+    result["steps"] = steps
+    result["plans"] = [_plan_summary(gp, gm) for gp, gm in zip(plans, gms)]
+    result["plan_text"] = str(cgcompile.Plan(cgcompile.CudaGraphConfig.from_options(OPTIONS), list(plans)))
+
+    # the emulate driver: captured partitions (holding the fixed collectives) go through capture and replay
+    result["emulate"] = _emulated_steps(rank, group)
+
+    # default Dynamo flags: the .tolist() is a graph break, named by explain
+    torch._dynamo.reset()
+    (tokens,) = ep_moe.example_inputs(seed=0, rank=rank)
+    plan = cgcompile.explain(ep_moe.build(group=group), tokens, options=OPTIONS)
+    result["graph_breaks"] = [{"line": _line(b.location), "reason": b.reason.strip().splitlines()[0]}
+                              for b in plan.graph_breaks]
+
+    # default flags, whole layer: after a recompile the split sizes enter the graph as Python ints
+    torch._dynamo.reset()
+    compiled, gms = _compile_recording(ep_moe.build(group=group), {"cuda_graph_impl": "local"})
+    plans = []
+    for step in range(3):
+        (tokens,) = ep_moe.example_inputs(seed=step, rank=rank)
+        with record_plans() as rec:
+            ep_moe.loss(compiled, tokens).backward()
+        plans.extend(rec.graphs)
+    result["whole_layer_plans"] = [_plan_summary(gp, gm) for gp, gm in zip(plans, gms)]
+    return result
 
 
 # ---- launcher (runs in pytest) ---------------------------------------------------------------------------
@@ -324,4 +314,4 @@ def test_default_flags_split_sizes_passed_as_ints_stay_eager(ranks, rank):
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    serve(work, TIMEOUT_S)

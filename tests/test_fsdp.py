@@ -11,7 +11,6 @@ option fsdp_keep_unsharded keeps them too. Each configuration trains next to eag
 from __future__ import annotations
 
 import logging
-import sys
 
 import pytest
 import torch
@@ -19,9 +18,9 @@ import torch.distributed as dist
 from expecttest import assert_expected_inline
 
 try:
-    from tests.spawn import capture_counters, init_gloo, run_ranks, write_result
+    from tests.spawn import capture_counters, run_ranks, serve
 except ModuleNotFoundError:  # tests/ itself on sys.path
-    from spawn import capture_counters, init_gloo, run_ranks, write_result
+    from spawn import capture_counters, run_ranks, serve
 
 WORLD = 2
 TIMEOUT_S = 150
@@ -141,13 +140,8 @@ def _train(rank, reshard_after_forward, keep):
             "tagged": tagged, "lines": logged}
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    init_gloo(rank, world, port, TIMEOUT_S)
-    try:
-        result = {name: _train(rank, *setting) for name, setting in RUNS.items()}
-    finally:
-        dist.destroy_process_group()
-    write_result(out_dir, rank, result)
+def work(rank: int, world: int) -> dict:
+    return {name: _train(rank, *setting) for name, setting in RUNS.items()}
 
 
 # ---- tests (run in pytest) -------------------------------------------------------------------------------
@@ -212,4 +206,4 @@ cgcompile: graph 0: FSDP2 keeps 12 unsharded parameters resident for captured gr
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    serve(work, TIMEOUT_S)

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
@@ -20,10 +19,10 @@ import torch.distributed as dist
 
 try:
     from tests import graph_window
-    from tests.spawn import init_gloo, run_ranks, write_result
+    from tests.spawn import run_ranks, serve
 except ModuleNotFoundError:  # tests/ itself on sys.path
     import graph_window
-    from spawn import init_gloo, run_ranks, write_result
+    from spawn import run_ranks, serve
 
 WORLD = 2
 TIMEOUT_S = 240
@@ -138,20 +137,16 @@ def _ep(rank):
         return _train(eager, model, run, ep_moe.loss, lambda step: ep_moe.example_inputs(seed=step, rank=rank)[0])
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def work(rank: int, world: int) -> dict:
     import time
 
-    init_gloo(rank, world, port, TIMEOUT_S)
     result = {}
-    try:
-        for name, workload in zip(WORKLOADS, (_tp, _fsdp2, _ddp, _ep)):
-            start = time.perf_counter()
-            result[name] = workload(rank)
-            result[name]["seconds"] = round(time.perf_counter() - start, 1)
-        graph_window.fresh()
-    finally:
-        dist.destroy_process_group()
-    write_result(out_dir, rank, result)
+    for name, workload in zip(WORKLOADS, (_tp, _fsdp2, _ddp, _ep)):
+        start = time.perf_counter()
+        result[name] = workload(rank)
+        result[name]["seconds"] = round(time.perf_counter() - start, 1)
+    graph_window.fresh()
+    return result
 
 
 # ---- tests (run in pytest) -------------------------------------------------------------------------------
@@ -184,4 +179,4 @@ def test_tp_grads_kept_into_the_next_step_settle_at_the_graphs_the_model_needs(r
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    serve(work, TIMEOUT_S)

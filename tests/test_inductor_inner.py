@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 
 import pytest
 import torch
@@ -27,11 +26,11 @@ import cgcompile
 try:
     from tests.graph_window import fresh
     from tests.inductor_cpp import needs_inductor_cpp
-    from tests.spawn import init_gloo, run_ranks, write_result
+    from tests.spawn import run_ranks, serve
 except ModuleNotFoundError:  # tests/ itself on sys.path
     from graph_window import fresh
     from inductor_cpp import needs_inductor_cpp
-    from spawn import init_gloo, run_ranks, write_result
+    from spawn import run_ranks, serve
 
 pytestmark = [pytest.mark.inductor, needs_inductor_cpp]
 
@@ -202,19 +201,14 @@ WORLD = 2
 TIMEOUT_S = 240
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def work(rank: int, world: int) -> dict:
     """The encoder above under DDP (small enough for one bucket, so Dynamo does not split it), eager DDP next to
     it; one Inductor compile thread per rank (two ranks on two cores)."""
-    init_gloo(rank, world, port, TIMEOUT_S)
-    try:
-        from tests.test_ddp import OPTIONS, _train
+    from tests.test_ddp import OPTIONS, _train
 
-        with torch._inductor.config.patch(dict(KERNELS, fallback_random=True, compile_threads=1)):
-            result = _train(rank, STEPS, 1, False, build=build_encoder, loss_fn=encoder_loss, inputs=encoder_tokens,
-                            options=dict(OPTIONS, cuda_graph_modules=[], inner_compiler="inductor"))
-    finally:
-        dist.destroy_process_group()
-    write_result(out_dir, rank, result)
+    with torch._inductor.config.patch(dict(KERNELS, fallback_random=True, compile_threads=1)):
+        return _train(rank, STEPS, 1, False, build=build_encoder, loss_fn=encoder_loss, inputs=encoder_tokens,
+                      options=dict(OPTIONS, cuda_graph_modules=[], inner_compiler="inductor"))
 
 
 @pytest.mark.distributed
@@ -233,5 +227,5 @@ def test_ddp_training_matches_eager_ddp(tmp_path):
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    serve(work, TIMEOUT_S)
 

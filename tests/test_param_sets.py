@@ -3,7 +3,6 @@ only passes isinstance(x, nn.Parameter), made anew on every call (DTensor.to_loc
 torchtitan's experts call it), never starts a new set; and a partition whose sets never warm up says so in
 stats()["eager_fallbacks"] instead of running "planned capture" uncaptured in silence."""
 
-import sys
 
 import pytest
 import torch
@@ -95,18 +94,12 @@ def _layers_with_per_call_views(steps: int = 8) -> dict:
             "replays": sorted(g.replays for g in rt.live_graphs())}
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def work(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from tests.spawn import init_gloo, write_result
-
-    init_gloo(rank, world, port, 60)
-    try:
-        result = _layers_with_per_call_views()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    write_result(out_dir, rank, result)
+    result = _layers_with_per_call_views()
+    dist.barrier()
+    return result
 
 
 def test_every_rank_captures_the_same_graphs_for_per_call_views(tmp_path):
@@ -119,4 +112,6 @@ def test_every_rank_captures_the_same_graphs_for_per_call_views(tmp_path):
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    from tests.spawn import serve
+
+    serve(work, 60)

@@ -14,7 +14,6 @@ collectives each captured graph runs.
 from __future__ import annotations
 
 import inspect
-import sys
 
 import pytest
 import torch
@@ -23,10 +22,10 @@ from expecttest import assert_expected_inline
 
 try:
     from tests import tp_steps
-    from tests.spawn import init_gloo, run_ranks, write_result
+    from tests.spawn import run_ranks, serve
 except ModuleNotFoundError:  # tests/ itself on sys.path
     import tp_steps
-    from spawn import init_gloo, run_ranks, write_result
+    from spawn import run_ranks, serve
 
 TIMEOUT_S = 240
 RUNS_2 = ("tp", "sp", "tp_ep")
@@ -113,23 +112,19 @@ def _fsdp_tp_run(rank):
     return result
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    init_gloo(rank, world, port, TIMEOUT_S)
+def work(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    try:
-        if world == 2:
-            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-            result = {"tp": tp_steps.tp_run(mesh, False), "sp": tp_steps.tp_run(mesh, True),
-                      "tp_ep": tp_steps.tp_ep_run(mesh), "dtensor_output": _dtensor_output(mesh),
-                      "data_dependent": _data_dependent_plan(mesh)}
-        else:
-            result = {"fsdp_tp": _fsdp_tp_run(rank)}
-        import cgcompile
-        cgcompile.release()
-    finally:
-        dist.destroy_process_group()
-    write_result(out_dir, rank, result)
+    if world == 2:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        result = {"tp": tp_steps.tp_run(mesh, False), "sp": tp_steps.tp_run(mesh, True),
+                  "tp_ep": tp_steps.tp_ep_run(mesh), "dtensor_output": _dtensor_output(mesh),
+                  "data_dependent": _data_dependent_plan(mesh)}
+    else:
+        result = {"fsdp_tp": _fsdp_tp_run(rank)}
+    import cgcompile
+    cgcompile.release()
+    return result
 
 
 # ---- tests (run in pytest) -------------------------------------------------------------------------------
@@ -270,4 +265,4 @@ hint: give the redistributed tensor a static shape (pad the selected rows to a f
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    serve(work, TIMEOUT_S)

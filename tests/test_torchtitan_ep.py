@@ -48,9 +48,9 @@ import torch.distributed as dist
 from expecttest import assert_expected_inline
 
 try:
-    from tests.spawn import init_gloo, run_ranks, write_result
+    from tests.spawn import run_ranks, serve
 except ModuleNotFoundError:  # tests/ itself on sys.path
-    from spawn import init_gloo, run_ranks, write_result
+    from spawn import run_ranks, serve
 
 WORLD = 2
 TIMEOUT_S = 150
@@ -250,16 +250,10 @@ def _train(rank: int) -> dict:
                                  for p in s["partitions"])}
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    if os.path.isdir(TORCHTITAN_DIR):
-        sys.path.append(TORCHTITAN_DIR)  # after site-packages: the venv's own packages win
-    init_gloo(rank, world, port, TIMEOUT_S)
-    try:
-        result = _train(rank)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    write_result(out_dir, rank, result)
+def work(rank: int, world: int) -> dict:
+    result = _train(rank)
+    dist.barrier()
+    return result
 
 
 # ---- test (runs in pytest) -------------------------------------------------------------------------------
@@ -303,4 +297,6 @@ graph 7 submod_0 in GroupedExperts.forward (moe.py:68) [2x32x16,2,32x16,...] par
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    if os.path.isdir(TORCHTITAN_DIR):
+        sys.path.append(TORCHTITAN_DIR)  # after site-packages: the venv's own packages win
+    serve(work, TIMEOUT_S)
