@@ -22,7 +22,7 @@ DEFINITIONS = {
     True: "per step: device-side kernel / memcpy / memset events under torch.profiler (kernels of replayed CUDA "
           "graphs included), µs = their device time",
     False: "CPU proxy: kernels as benchmarks/kernel_count.py counts them (innermost kernel-running aten ops, "
-           "Inductor kernels only with cpp.enable_kernel_profile; a CPU addmm shows as its bias copy_), "
+           "Inductor kernels only with cpp.enable_kernel_profile), "
            "µs = their self CPU time",
 }
 

@@ -7,8 +7,9 @@ kernels are counted from torch.profiler events (the launch count a GPU run would
 - an Inductor-generated C++ kernel is one event when `torch._inductor.config.cpp.enable_kernel_profile` is on
   (named `graph_<id>_cpp_fused_...`); an extern kernel (mm, bmm) and every aten op run outside a graph (copies
   into static buffers, eager islands, output clones, the loss's backward seed) are aten events;
-- one kernel per innermost kernel-running event: `aten::linear` is counted as its `aten::addmm`, views, metadata
-  and allocations (cgcompile.profiling's NO_KERNEL_OPS, and `resize_`) as nothing;
+- one kernel per innermost kernel-running event: `aten::linear` is counted as its `aten::addmm` (whose copy of
+  the bias into its output is part of it: GEMM_WITH_INPUT), views, metadata and allocations
+  (cgcompile.profiling's NO_KERNEL_OPS, and `resize_`) as nothing;
 - inside an emulated replay (cgcompile::graph_replay) only the graph's own ops count, those run under the
   emulator's dispatch mode (`aten::mm < PythonDispatchMode < aten::mm`: the inner one) and Inductor's kernels;
   the emulator's own work there (copying fresh outputs into the static ones, poisoning later graphs' memory)
@@ -49,10 +50,21 @@ INDUCTOR_KERNEL = re.compile(r"^(graph_\d+_)?cpp_")  # enable_kernel_profile's e
 FREE = NO_KERNEL_OPS | {"aten::resize_", "aten::set_", "aten::as_strided_", "aten::to", "aten::_to_copy",
                         "aten::result_type", "aten::detach_", "aten::_unsafe_view"}
 MODE = "PythonDispatchMode"
+# GEMMs with an additive input (`linear`'s bias): on the CPU they copy it into the output (an `aten::copy_` child)
+# and call BLAS, which is no aten op, so the copy would be their innermost kernel; they are counted as themselves
+# (on CUDA one cuBLAS kernel reads the bias), their copy as part of them
+GEMM_WITH_INPUT = {"aten::addmm", "aten::addbmm", "aten::baddbmm", "aten::addmv", "aten::addr"}
 
 
 def _kernel_running(name: str) -> bool:
     return bool(INDUCTOR_KERNEL.match(name)) or (name.startswith("aten::") and name not in FREE)
+
+
+def _kernel(event) -> bool:
+    """Does this event run a kernel of its own (a GEMM's copy of its additive input is the GEMM's)?"""
+    parent = event.cpu_parent
+    return _kernel_running(event.name) and not (
+        event.name == "aten::copy_" and parent is not None and parent.name in GEMM_WITH_INPUT)
 
 
 def _key(name: str) -> str:
@@ -73,7 +85,7 @@ def kernel_events(events: Iterable) -> Iterator[Tuple[str, str, object]]:
     events = list(events)
     has_kernel_child = set()
     for event in events:
-        if _kernel_running(event.name):
+        if _kernel(event):
             parent = event.cpu_parent
             while parent is not None:
                 has_kernel_child.add(id(parent))
@@ -83,7 +95,7 @@ def kernel_events(events: Iterable) -> Iterator[Tuple[str, str, object]]:
         while parent is not None:
             names.append(parent.name)
             parent = parent.cpu_parent
-        if not _kernel_running(event.name) or any(map(_foreach, names)) or (
+        if not _kernel(event) or any(map(_foreach, names)) or (
                 id(event) in has_kernel_child and not _foreach(event.name)):
             continue
         if REPLAY_RANGE in names:

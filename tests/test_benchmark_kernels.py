@@ -84,6 +84,19 @@ def test_kernel_count_counts_each_kernel_once_and_not_the_emulators_own_work():
     assert [op for op, _ in rows] == ["aten::_foreach_copy_", "aten::addmm", "aten::bmm", "aten::clone"]
 
 
+def test_kernel_count_names_a_linear_with_bias_by_its_gemm_on_real_profiler_events():
+    """On the CPU an `aten::addmm` copies its bias into its output (an `aten::copy_` child) and calls BLAS, no aten
+    op: the copy is part of the GEMM, which is counted as itself; a clone's copy is a kernel of its own."""
+    import torch
+
+    kernels = load_bench("kernel_count")
+    linear, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        linear(x)
+        x.clone()
+    assert kernels.count_kernels(prof.events()) == {("host", "aten::addmm"): 1, ("host", "aten::copy_"): 1}
+
+
 def test_kernel_diff_table_sorts_by_difference_and_sums_every_kernel():
     """gpu_kernels.diff_table on hand-made tables: the largest launch difference first (time breaks ties), long
     CUDA names cut for display but kept apart, kernels past `top` summed in one row, totals = sum of the rows,
