@@ -268,7 +268,10 @@ def test_bench_cpu_quick_table():
         m = re.search(r": (\d+\.\d+)x, goal <= (\d+\.\d+)x  (PASS|MISS)$", row)
         assert m, row
         assert m[3] == ("PASS" if float(m[1]) <= float(m[2]) else "MISS"), row
-    lean = out.split("(g) lean step")[1].splitlines()[1:4]
+    heading, *lean = out.split("(g) lean step")[1].splitlines()[:4]
+    m = re.search(r"reference: a minimal backend copying the inputs in and cloning its outputs (\d+\.\d+) us, "
+                  r"(\d+\.\d+)x$", heading)
+    assert m and float(m[1]) > 0, heading  # what any copying, cloning CUDA-graph backend pays, printed beside the goals
     for row in lean[:2]:  # whole decode step vs Dynamo's floor, layer then block scope: verdicts agree with ratios
         m = re.search(r"^  (layer|block) scope: .*: (\d+\.\d+)x, goal <= (\d+\.\d+)x  (PASS|MISS)$", row)
         assert m, row
