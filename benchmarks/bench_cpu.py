@@ -14,7 +14,8 @@ puts the drift on both sides of a ratio):
       the host outside graphs (the CPU proxy for launches), host reads of device data, and the matmul FLOPs the
       padding adds (the profiler's estimate), eager/off/max/buckets.
   (e) the graph bank on the same MoE with 512 new tokens a step, 40 steps, default options, off/buckets/max: live
-      graphs, bytes they hold between steps against the bytes of the graphs one step uses, replays per call.
+      graphs, bytes they hold between steps against the bytes of the graphs one step uses, replays per call
+      (benchmarks/bank_table.py).
   (f) a Hugging Face transformers Mixtral (benchmarks/hf_moe.py, default experts implementation,
       cuda_graph_modules=[]) training step with new tokens every step, fp32 and bf16 weights: the same counts
       as (d), vs eager. Goal: host kernel ops outside graphs <= 5% of eager's. Skipped without transformers.
@@ -56,6 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for hf_moe
 import torch  # noqa: E402
 
 import cgcompile  # noqa: E402
+import bank_table  # noqa: E402
 import memory_table  # noqa: E402
 from tests.models import MODELS  # noqa: E402
 
@@ -220,74 +222,8 @@ def print_padding(layers: int, results: dict) -> None:
               f"  {flops / eager_flops:>20.2f}x  {verdict}".rstrip())
 
 
-BANK_BATCH, BANK_GOALS = (8, 64), {"held_vs_step": 1.5, "drift": 0.10, "kept_hit_rate": 0.80}
-BANK_SIZES_REPEAT = (3, 32)  # 96 tokens: the expert loop's bucket is 64 or 96 (two sizes that keep coming back)
 
 
-def bench_bank(mode: str, steps: int, checkpoints=(10, 40), tokens=BANK_BATCH) -> dict:
-    """(e) the graph bank on a 2-layer MoE training step with new tokens every step (512 a step), default options
-    (driver=emulate): per checkpoint step, live graphs, bytes they hold between steps (stats()["graph_bytes"]:
-    output arenas once) and bytes the graphs that step used need (their own, and what their outputs take of an
-    arena); over the last 10 steps, replays per partition call and the hit rate of the partitions still
-    capturing; releases and stops. Also at the last step: what the live graphs would hold with their outputs
-    each in memory of their own (no arenas)."""
-    torch._dynamo.reset()
-    model = SPEC.make(num_layers=2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    options = {"driver": "emulate", **({"dynamic_padding": mode} if mode != "off" else {})}
-    flags = {"capture_dynamic_output_shape_ops": mode != "off"}  # "off": Dynamo's defaults (nonzero breaks)
-    size = lambda g: (g["static_input_bytes"] + g["static_output_bytes"] + g["pool_bytes"]  # noqa: E731
-                      + g["arena_output_bytes"])
-    found, seen, calls = {}, {}, {}
-    with torch._dynamo.config.patch(**flags):
-        run = torch.compile(model, backend=OURS, options=options)
-        cgcompile.reset_stats()
-        for i in range(steps):
-            (batch,) = SPEC.example_inputs(batch=tokens[0], seq=tokens[1], seed=1000 + i)
-            SPEC.loss(run, batch).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            stats = cgcompile.stats()
-            graphs = {g["label"]: g for g in stats["graphs"]}  # labels are unique: checked against the rows below
-            used = [g for label, g in graphs.items() if g["replays"] != seen.get(label)]
-            seen = {label: g["replays"] for label, g in graphs.items()}
-            if i + 1 in checkpoints:
-                found[i + 1] = (len(graphs), stats["graph_bytes"], sum(map(size, used)))
-            if i + 1 == steps - 10:
-                calls = {p["partition"]: p for p in stats["partitions"]}
-    parts = stats["partitions"]
-    delta = lambda p, k: p[k] - calls.get(p["partition"], {}).get(k, 0)  # noqa: E731
-    total = sum(delta(p, "calls") for p in parts)
-    kept = [p for p in parts if not p["stopped"]]
-    kept_calls = sum(delta(p, "calls") for p in kept)
-    return {"checkpoints": found, "replays_per_call": sum(delta(p, "replays") for p in parts) / max(total, 1),
-            "kept_hit_rate": sum(delta(p, "replays") for p in kept) / max(kept_calls, 1),
-            "released": stats["graphs_released"], "stops": len(stats["bank_stops"]),
-            "captured": stats["graphs_captured"], "labels_unique": len(stats["graphs"]) == len(seen),
-            "unshared": sum(map(size, stats["graphs"]))}
-
-
-def print_bank(results: dict, steps: int) -> None:
-    """`results`: {(mode, tokens): bench_bank(...)}."""
-    first, last = 10, steps
-    print(f"\ngraph bank (e): 2-layer MoE training step, new tokens every step, {steps} steps, default options, "
-          f"driver=emulate; held: graph_bytes (each output arena once); own outputs: the same graphs without arenas")
-    print(f"mode      tokens   live graphs {first}/{last}  held MiB {first}/{last}  own outputs MiB  step's graphs MiB"
-          f"  held/step  replays/call  kept hit rate  captured  released  stops  result")
-    for (mode, tokens), r in results.items():
-        (live_a, held_a, _), (live_b, held_b, used_b) = r["checkpoints"][first], r["checkpoints"][last]
-        ratio, drift = held_b / max(used_b, 1), abs(held_b - held_a) / max(held_a, 1)
-        ok = (within(ratio, BANK_GOALS["held_vs_step"]) and drift <= BANK_GOALS["drift"]
-              and r["kept_hit_rate"] >= BANK_GOALS["kept_hit_rate"] and r["labels_unique"])
-        verdict = ("PASS" if ok else "MISS") if tokens == BANK_BATCH else "-"  # the goals are for BANK_BATCH
-        print(f"{mode:<8}  {tokens[0]}x{tokens[1]:<5}  {live_a:>8}/{live_b:<6}"
-              f"  {held_a / 2**20:>6.2f}/{held_b / 2**20:<6.2f}  {r['unshared'] / 2**20:>15.2f}  {used_b / 2**20:>17.2f}"
-              f"  {ratio:>8.2f}x  {r['replays_per_call']:>12.2f}  {r['kept_hit_rate']:>13.2f}  {r['captured']:>8}"
-              f"  {r['released']:>8}  {r['stops']:>5}  {verdict}")
-    print(f"goals (tokens {BANK_BATCH[0]}x{BANK_BATCH[1]}): held <= {BANK_GOALS['held_vs_step']}x the step's graphs, "
-          f"step {last} within {BANK_GOALS['drift']:.0%} of step {first}, kept hit rate >= "
-          f"{BANK_GOALS['kept_hit_rate']:.0%}, unique labels; {BANK_SIZES_REPEAT[0]}x{BANK_SIZES_REPEAT[1]}: sizes "
-          f"that repeat, held vs own outputs")
 HF_GOAL = 0.05  # host kernel ops outside graphs per training step, vs eager
 
 
@@ -470,9 +406,7 @@ def main(argv=None) -> int:
         print_padding(padding_layers, bench_padding(padding_layers, warmup=4 if args.quick else 16,
                                                     steps=2 if args.quick else 8))
         bank_steps = 16 if args.quick else 40  # the last 10 steps of a quick run are past warmup too
-        workloads = [(mode, BANK_BATCH) for mode in ("off", "buckets", "max")] + [("buckets", BANK_SIZES_REPEAT)]
-        print_bank({(mode, tokens): bench_bank(mode, bank_steps, (10, bank_steps), tokens)
-                    for mode, tokens in workloads}, bank_steps)
+        bank_table.print_bank(bank_steps)
         print_hf(bench_hf(warmup=2 if args.quick else 4, steps=2 if args.quick else 8,
                           dtypes=(torch.bfloat16,) if args.quick else (torch.float32, torch.bfloat16)))
         print_replay_cost(args.quick)
