@@ -69,21 +69,21 @@ class ModelRuntime:
         position out as a copy later (runtime/local/family.py), since replays' frame outputs are cloned here."""
         if not self.config.clone_outputs:
             return outputs
-        several = isinstance(outputs, (list, tuple))
-        handed = self.memory.handed_out  # a clone of what aliases our graphs' memory; anything else as it is
-        fixed = []
-        for out in (outputs if several else (outputs,)):  # one pass: on the steady path every object touched costs
-            source = source_of(out)
-            if source is not None:
-                leaves = getattr(source, "leaves_frame", None)
-                if leaves is not None:
-                    leaves(out)
-            fixed.append(handed(out))
-        if not several:
-            return fixed[0]
-        if type(outputs) in (list, tuple):
-            return type(outputs)(fixed)
-        return type(outputs)(*fixed)  # namedtuple
+        for out in (outputs if isinstance(outputs, (list, tuple)) else (outputs,)):
+            leaves = getattr(source_of(out), "leaves_frame", None)
+            if leaves is not None:
+                leaves(out)
+        memory = self.memory
+        if not memory.any_owned():
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            return outputs.clone() if memory.owns(outputs) else outputs
+        if isinstance(outputs, (list, tuple)):
+            fixed = [o.clone() if memory.owns(o) else o for o in outputs]
+            if type(outputs) in (list, tuple):
+                return type(outputs)(fixed)
+            return type(outputs)(*fixed)  # namedtuple
+        return outputs
 
     def log_capture_summary(self) -> None:
         """Log the capture summary line now (once per runtime; no-op before the first capture)."""

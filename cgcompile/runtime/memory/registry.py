@@ -47,10 +47,8 @@ class MemoryRegistry:
         return isinstance(t, torch.Tensor) and bool(self._owners) and any(
             storage_ptr(inner) in self._owners for inner in inner_tensors(t))
 
-    def handed_out(self, value: Any) -> Any:
-        """What the caller may keep of `value`: a clone when it aliases our graphs' memory (the next replay writes
-        there), else `value` itself."""
-        return value.clone() if self.owns(value) else value
+    def any_owned(self) -> bool:
+        return bool(self._owners)
 
     def owner(self, t: torch.Tensor) -> Any:
         """The graph or output arena owning t's memory, or None."""
