@@ -222,8 +222,6 @@ def print_padding(layers: int, results: dict) -> None:
               f"  {flops / eager_flops:>20.2f}x  {verdict}".rstrip())
 
 
-
-
 HF_GOAL = 0.05  # host kernel ops outside graphs per training step, vs eager
 
 

@@ -188,15 +188,14 @@ def within(ratio: float, goal: float) -> bool:
     return round(ratio, 2) <= goal
 
 
-def run(small: int, large: int, repeats: int, diagnose: bool = True) -> Dict[str, Dict[int, list]]:
+def run(small: int, large: int, repeats: int) -> Dict[str, Dict[int, list]]:
     """{"gc on" | "gc pending" | "gc off": {layers: [measure(...) per repeat]}}, the two sizes interleaved
     (COLLECTOR says what each mode does in the capture step)."""
-    modes = {mode: COLLECTOR[mode] for mode in (COLLECTOR if diagnose else ("gc on",))}
-    found: Dict[str, Dict[int, list]] = {mode: {small: [], large: []} for mode in modes}
+    found: Dict[str, Dict[int, list]] = {mode: {small: [], large: []} for mode in COLLECTOR}
     measure(2)  # first use pays imports and lazy init
     for r in range(repeats):
         for layers in ((small, large) if r % 2 == 0 else (large, small)):
-            for mode, collector in modes.items():
+            for mode, collector in COLLECTOR.items():
                 found[mode][layers].append(measure(layers, collector=collector))
     return found
 
