@@ -5,6 +5,7 @@ before their uses), and swap a submodule for its runtime wrapper."""
 from __future__ import annotations
 
 import copy
+import operator
 from typing import Any, Callable, Optional
 
 import torch
@@ -86,8 +87,54 @@ def plain_forward(gm: fx.GraphModule) -> Callable[..., Any]:
 
 def call_directly(split_gm: fx.GraphModule) -> Callable[..., Any]:
     """The split graph's forward with every submodule still in it (its eager partitions) called through its plain
-    generated forward, a plain attribute: per step, no nn.Module.__call__ (hooks, the lazy stub) per partition."""
+    generated forward, a plain attribute: per step, no nn.Module.__call__ (hooks, the lazy stub) per partition.
+    A split graph that is one call of one partition (a frame captured whole, e.g. inference scope block) is that
+    call alone (`single_call`)."""
     for name, submod in list(split_gm.named_children()):
         if isinstance(submod, fx.GraphModule):
             replace_submodule(split_gm, name, plain_forward(submod))
-    return plain_forward(split_gm)
+    return single_call(split_gm) or plain_forward(split_gm)
+
+
+def single_call(split_gm: fx.GraphModule) -> Optional[Callable[..., Any]]:
+    """For a split graph whose only work is one call of one partition, fed straight by the frame's arguments and
+    returned whole or by its items: a function doing just that, or None for any other graph. The generated
+    forward would rename each argument, pass them on and clear each name again: per step, three bytecodes per
+    argument (a frame of a decoder block passes every parameter), where picking them costs one C call."""
+    nodes = list(split_gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    calls = [n for n in nodes if n.op == "call_module"]
+    if len(calls) != 1 or calls[0].kwargs or nodes[-1].op != "output":
+        return None
+    call, (returned,) = calls[0], nodes[-1].args
+    position = {node: i for i, node in enumerate(placeholders)}
+    if not all(isinstance(a, fx.Node) and a in position for a in call.args) or not isinstance(returned, (tuple, list)):
+        return None
+    items = [None if r is call else r.args[1] if _is_item_of(r, call) else -1 for r in returned]
+    if -1 in items or (None in items and len(items) != 1) \
+            or len(nodes) != len(placeholders) + 2 + (0 if items == [None] else len(items)):
+        return None  # work of its own besides the call and its items
+    partition = getattr(split_gm, str(call.target))
+    order = [position[a] for a in call.args]
+    if order == list(range(len(placeholders))):
+        def pick(args: tuple) -> tuple:
+            return args
+    elif len(order) > 1:
+        pick = operator.itemgetter(*order)
+    else:
+        def pick(args: tuple) -> tuple:
+            return tuple([args[i] for i in order])
+    if items == [None]:
+        def whole(*args: Any) -> tuple:
+            return (partition(*pick(args)),)
+        return whole
+
+    def by_items(*args: Any) -> tuple:
+        out = partition(*pick(args))
+        return tuple([out[i] for i in items])
+    return by_items
+
+
+def _is_item_of(node: Any, call: fx.Node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem \
+        and node.args[0] is call and isinstance(node.args[1], int) and len(node.users) == 1

@@ -38,6 +38,17 @@ def run(step, model, reference, prompt, steps):
         assert torch.equal(cache, ref), name
 
 
+def one_profiled_step(step, model, prompt, profile) -> None:
+    """One decode step after the prompt, with `profile` as the Python profiler (sys.setprofile)."""
+    with torch.no_grad():
+        token, position = kv_gpt.prefill(model, prompt), torch.tensor([prompt.shape[1]])
+        sys.setprofile(profile)
+        try:
+            step(token, position)
+        finally:
+            sys.setprofile(None)
+
+
 def partition_calls(fn) -> list:
     """Per partition call `fn` makes (PartitionRunner.__call__), the names of the cgcompile functions it runs in
     Python, the emulated device's own work (runtime/drivers/emulate.py and what it calls) left out."""
@@ -140,14 +151,33 @@ def test_a_steady_step_calls_the_split_graph_and_its_eager_parts_through_their_g
             if caller is None:  # not the emulated device running the graph's code
                 names.append(frame.f_code.co_name)
 
-    with torch.no_grad():
-        token, position = kv_gpt.prefill(model, prompt), torch.tensor([prompt.shape[1]])
-        sys.setprofile(profile)
-        try:
-            step(token, position)
-        finally:
-            sys.setprofile(None)
+    one_profiled_step(step, model, prompt, profile)
     assert names == ["_call_impl", "_call_impl"], names
+
+
+def test_a_frame_captured_whole_calls_its_partition_without_the_split_graphs_forward():
+    """Issue 36, the lean step: in block scope the split graph is one call of the one partition, and its generated
+    forward only renamed, passed on and cleared the block's hundred-odd arguments: the frame now calls the
+    partition straight from its own function (split.single_call), nothing in between."""
+    model, reference, step = decode("block", layers=3)
+    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+    run(step, model, reference, prompt, 6)
+    chain: list = []
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        code = frame.f_code
+        if code.co_filename.endswith("cgcompile/backend.py") and code.co_name == "run":
+            chain.append("run")
+        elif chain and chain[-1] != "partition":
+            if code.co_filename.endswith("runtime/local/runner.py") and code.co_name == "__call__":
+                chain.append("partition")
+            else:
+                chain.append(code.co_name)
+
+    one_profiled_step(step, model, prompt, profile)
+    assert chain == ["run", "whole", "partition"], chain
 
 
 @pytest.mark.parametrize("scope", ["layer", "block"])
