@@ -13,6 +13,7 @@ import torch.nn as nn
 from cgcompile import reset_stats, stats
 from cgcompile.config import CudaGraphConfig
 from cgcompile.runtime import ModelRuntime, compile_partition
+from cgcompile.runtime.local.sources import source_of
 from tests.inductor_cpp import needs_inductor_cpp
 
 
@@ -327,6 +328,33 @@ def test_backwards_in_reverse_order_find_their_instances():
         for a, b in zip(model.parameters(), ref.parameters()):
             assert_close(a.grad, b.grad)
     assert stats()["graphs_captured"] == 6
+
+
+def test_forward_replays_tag_one_saved_alias_once_the_backward_is_known():
+    """A forward replay hands out an alias per output (saved activations included: dozens per decoder layer), and
+    the backward finds its instance by the one it reads: after the first backward, only that alias is tagged
+    (GraphFamily.marker), and three instances replayed in one step still find their backwards in any order."""
+    ref, model = twins()
+    rt = runtime()
+    p = partition(model, rt)
+    for step in range(4):
+        model.zero_grad(), ref.zero_grad()
+        xs = [torch.randn(5, 6) for _ in range(3)]
+        losses = [p(x).pow(2).sum() for x in xs]
+        ref_losses = [ref(x).pow(2).sum() for x in xs]
+        if step == 3:
+            forwards = graphs_of(p, "forward")
+            tagged = [[a is not None and source_of(a) is g for a in g.handed_aliases()] for g in forwards]
+        for loss in (losses if step % 2 else reversed(losses)):
+            loss.backward()
+        for loss in ref_losses:
+            loss.backward()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            assert_close(a.grad, b.grad)
+    assert len(forwards) == 3 and all(len(flags) > 2 for flags in tagged)  # output, saved activations
+    assert [sum(flags) for flags in tagged] == [1, 1, 1]
+    backwards = graphs_of(p, "backward")
+    assert len(backwards) == 3 and all(g.replays >= 2 for g in backwards)  # found by the one tag since step 2
 
 
 def test_discarded_loss_frees_the_instance():

@@ -86,7 +86,8 @@ def _lesson_outputs(out: Any, args: Sequence[Any]) -> Any:
 
 def _source_of(args: Sequence[Any], family: Optional["GraphFamily"]) -> Any:
     """The forward call of `family` (a GraphInstance or an EagerHandout) whose outputs these backward arguments
-    are (others may carry the forward calls of the partitions before it: its saved inputs)."""
+    are (others may carry the forward calls of the partitions before it: its saved inputs). Once the family knows
+    which outputs its backward reads, a replay tags one of them (GraphFamily.marker), not every output."""
     for arg in args:
         source = source_of(arg)
         if source is not None and source is not _LESSON_RUN and source.family is family:
@@ -109,6 +110,7 @@ class GraphFamily:
         self.layouts: Optional[List[OutputLayout]] = None  # its outputs' layouts, seen in an eager run (arenas)
         self.copied_outputs: Set[int] = set()  # output positions callers keep beyond their step: handed out as copies
         self.saved: Set[int] = set()  # forward output positions the backward reads (autograd's saved tensors)
+        self.marker: Optional[int] = None  # one of them: a replay tags only its alias with the instance (_source_of)
         self.moving: Set[int] = set()  # written inputs seen at other addresses: copied in and back
         self._eager: Dict[int, EagerHandout] = {}  # per parameter set, its last warmup run
         self._warmed: Set[int] = set()  # parameter sets this graph ran for on the driver's warmup stream
@@ -324,6 +326,7 @@ class GraphFamily:
             return
         handed = {id(alias): j for j, alias in enumerate(instance.handed_aliases())}
         self.saved = {handed[id(arg)] for arg in backward_args if id(arg) in handed}
+        self.marker = min(self.saved) if self.saved else None
 
     def _capture(self, key: int, args: list, param_storages: frozenset,
                  forward: Optional[GraphInstance] = None) -> GraphInstance:

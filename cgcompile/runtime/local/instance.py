@@ -306,14 +306,19 @@ class GraphInstance:
                         outputs[j] = outputs[j].clone() if j in copied_outputs else outputs[j].detach()
                 self.claim.replayed()
             elif alias:  # the backward finds its forward instance, and which outputs it saved, by the aliases
-                outputs = list(static)
-                handed: List[Any] = [None] * len(outputs)
-                for j in self.tensor_outputs:
-                    if j in copied_outputs:
-                        outputs[j] = outputs[j].clone()
-                        continue
-                    handed[j] = outputs[j] = out = outputs[j].detach()
-                    tag(out, self)
+                if self.all_tensors and not copied_outputs:  # the usual training forward
+                    outputs = handed = [out.detach() for out in static]
+                else:
+                    outputs = list(static)
+                    handed = [None] * len(outputs)
+                    for j in self.tensor_outputs:
+                        outputs[j] = outputs[j].clone() if j in copied_outputs else outputs[j].detach()
+                        if j not in copied_outputs:
+                            handed[j] = outputs[j]
+                marker = self.family.marker  # one output the backward reads, once known (every alias before)
+                for out in (handed if marker is None else (handed[marker],)):
+                    if out is not None:
+                        tag(out, self)
                 self.claim.hand_out(handed)
             else:
                 outputs = [o.clone() if j in copied_outputs else o for j, o in enumerate(static)] if copied_outputs \
