@@ -312,28 +312,10 @@ def test_same_partition_twice_in_one_step():
     assert s["graphs_captured"] == 4 and s["eager_fallbacks"] == []  # two instances, each fwd+bwd
 
 
-def test_backwards_in_reverse_order_find_their_instances():
-    ref, model = twins()
-    rt = runtime()
-    p = partition(model, rt)
-    for step in range(3):
-        model.zero_grad(), ref.zero_grad()
-        xs = [torch.randn(5, 6) for _ in range(3)]
-        losses = [p(x).pow(2).sum() for x in xs]
-        ref_losses = [ref(x).pow(2).sum() for x in xs]
-        for loss in reversed(losses):
-            loss.backward()
-        for loss in ref_losses:
-            loss.backward()
-        for a, b in zip(model.parameters(), ref.parameters()):
-            assert_close(a.grad, b.grad)
-    assert stats()["graphs_captured"] == 6
-
-
-def test_forward_replays_tag_one_saved_alias_once_the_backward_is_known():
-    """A forward replay hands out an alias per output (saved activations included: dozens per decoder layer), and
-    the backward finds its instance by the one it reads: after the first backward, only that alias is tagged
-    (GraphFamily.marker), and three instances replayed in one step still find their backwards in any order."""
+def test_backwards_in_either_order_find_their_instances_by_one_tagged_alias():
+    """Three instances replayed in one step find their backwards in either order. A forward replay hands out an
+    alias per output (saved activations included: dozens per decoder layer); the backward finds its instance by
+    one it reads, so once the first backward showed which, only that alias is tagged (GraphFamily.marker)."""
     ref, model = twins()
     rt = runtime()
     p = partition(model, rt)
@@ -351,6 +333,7 @@ def test_forward_replays_tag_one_saved_alias_once_the_backward_is_known():
             loss.backward()
         for a, b in zip(model.parameters(), ref.parameters()):
             assert_close(a.grad, b.grad)
+    assert stats()["graphs_captured"] == 6
     assert len(forwards) == 3 and all(len(flags) > 2 for flags in tagged)  # output, saved activations
     assert [sum(flags) for flags in tagged] == [1, 1, 1]
     backwards = graphs_of(p, "backward")
