@@ -15,15 +15,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import cgcompile  # noqa: E402
+from goals import within  # noqa: E402
 from tests.models import MODELS  # noqa: E402
 
 SPEC = MODELS["moe_mask"]
 OURS = "cudagraph_modules"
-
-
-def within(ratio: float, goal: float) -> bool:
-    """Judge the ratio as printed (two decimals), as bench_cpu does."""
-    return round(ratio, 2) <= goal
 
 
 BANK_BATCH, BANK_GOALS = (8, 64), {"held_vs_step": 1.5, "drift": 0.10, "kept_hit_rate": 0.80}

@@ -58,6 +58,7 @@ import torch  # noqa: E402
 
 import cgcompile  # noqa: E402
 import bank_table  # noqa: E402
+from goals import judged, within  # noqa: E402
 import memory_table  # noqa: E402
 from tests.models import MODELS  # noqa: E402
 
@@ -174,11 +175,6 @@ def fmt_time(seconds: float) -> str:
     return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.2f} ms"
 
 
-def within(ratio: float, goal: float) -> bool:
-    """Judge the ratio as printed (two decimals), so a row never reads '1.10x <= 1.10x MISS'."""
-    return round(ratio, 2) <= goal
-
-
 PADDING_GOALS = {"max": 0.10, "buckets": 0.20}  # host kernel ops outside graphs per step, vs eager
 PADDING_EXPERTS, PADDING_BATCH = 8, (4, 32)  # 8 experts top-2 over 128 tokens: the GPU benchmark's routing shape
 
@@ -285,7 +281,7 @@ def print_replay_cost(quick: bool) -> None:
         rows.append((f"training, a break per layer, per forward partition call, {layers} vs 8 layers", "8 layers",
                      depths[layers], depths[8], 1.2))
     for name, vs, o, b, goal in rows:
-        verdict = "PASS" if within(o / b, goal) else "MISS"
+        verdict = judged(o / b, goal)
         print(f"  {name}: {o * 1e6:.1f} us vs {vs} {b * 1e6:.1f} us: {o / b:.2f}x, goal <= {goal:.2f}x  {verdict}")
     checks = replay_cost.address_check_times(calls=calls, repeats=repeats)
     print("  fixed-address check of 118 parameters, per way available here: " +
@@ -316,7 +312,7 @@ def print_lean_step(quick: bool) -> None:
     for scope, goal in LEAN_STEP_GOALS.items():
         ratio = found[scope] / found["floor"]
         print(f"  {scope} scope: {found[scope] * 1e6:.1f} us vs floor {found['floor'] * 1e6:.1f} us: {ratio:.2f}x, "
-              f"goal <= {goal:.2f}x  {'PASS' if within(ratio, goal) else 'MISS'}")
+              f"goal <= {goal:.2f}x  {judged(ratio, goal)}")
     if quick:
         print("  inner_compiler inductor vs eager, per partition call: left out by --quick (Inductor's C++ compile)")
         return
@@ -325,7 +321,7 @@ def print_lean_step(quick: bool) -> None:
         ratio = times["inductor"] / times["eager"]
         print(f"  inner_compiler inductor vs eager, {scope} scope, per partition call: {times['inductor'] * 1e6:.1f} "
               f"us vs {times['eager'] * 1e6:.1f} us: {ratio:.2f}x, goal <= {INNER_HOST_GOAL:.2f}x  "
-              f"{'PASS' if within(ratio, INNER_HOST_GOAL) else 'MISS'}")
+              f"{judged(ratio, INNER_HOST_GOAL)}")
 
 
 def print_kernels(quick: bool) -> None:
@@ -394,7 +390,7 @@ def main(argv=None) -> int:
         header = ("metric", "cgcompile", "baseline", "vs", "ratio", "goal", "result")
         table = [header] + [
             (name, fmt_time(o), fmt_time(b), vs, f"{o / b:.2f}x", f"<= {goal:.2f}x",
-             "PASS" if within(o / b, goal) else "MISS")
+             judged(o / b, goal))
             for name, vs, o, b, goal in rows]
         widths = [max(len(r[i]) for r in table) for i in range(len(header))]
         for row in table:

@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # hf_moe
 import torch  # noqa: E402
 
 from cgcompile.profiling import NO_KERNEL_OPS  # noqa: E402
+from goals import judged  # noqa: E402
 from cgcompile.runtime.drivers.emulate import REPLAY_RANGE  # noqa: E402
 
 __all__ = ["GOAL", "VARIANTS", "WORKLOADS", "count_kernels", "diff_rows", "kernel_events", "kernels_per_step",
@@ -226,7 +227,7 @@ def table(workloads: Sequence[str], variants: Sequence[str] = VARIANTS, base: st
             ratio = total / base_total if base_total else float("nan")
             verdict = ""
             if variant == ours:
-                verdict = f"  goal <= {GOAL:.2f}x  {'PASS' if round(ratio, 2) <= GOAL else 'MISS'}"
+                verdict = f"  goal <= {GOAL:.2f}x  {judged(ratio, GOAL)}"
             emit(f"    {variant:<12} {total:6.1f} kernels/step ({host:5.1f} outside graphs)  {ratio:5.2f}x "
                  f"vs {base}{verdict}")
         mine = ours or variants[-1]

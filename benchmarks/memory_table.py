@@ -20,8 +20,10 @@ from typing import Dict, List, Tuple
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # goals
 
 import cgcompile  # noqa: E402
+from goals import judged  # noqa: E402
 
 KINDS = ("static_inputs", "saved_for_backward", "gradients", "other_outputs", "arenas", "pool", "total")
 
@@ -86,7 +88,7 @@ def print_memory_table(quick: bool) -> None:
     for family, held, (saved, grads) in rows(quick):
         ratio = held["total"] / (saved + grads)
         cells = [family] + [f"{held[k] / 1024:.1f}" for k in KINDS] + [
-            f"{saved / 1024:.1f}", f"{grads / 1024:.1f}", f"{ratio:.2f}x", "PASS" if ratio <= 1.3 else "MISS"]
+            f"{saved / 1024:.1f}", f"{grads / 1024:.1f}", f"{ratio:.2f}x", judged(ratio, 1.3)]
         print("  " + "  ".join(f"{c:>13}" for c in cells))
 
 

@@ -48,6 +48,7 @@ import torch.nn as nn  # noqa: E402
 import cgcompile  # noqa: E402,F401
 import cgcompile.frame_plan as cg_frame_plan  # noqa: E402  # the backend looks plan_graph up there
 from cgcompile.runtime.drivers.emulate import EmulateDriver  # noqa: E402
+from goals import judged  # noqa: E402
 from replay_cost import replays_as_launches  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, WIDTH, TOKENS = 64, 8, 32, 16, 32
@@ -184,10 +185,6 @@ def measure(layers: int, steps: int = 8, collector: str = "collected",
     return result
 
 
-def within(ratio: float, goal: float) -> bool:
-    return round(ratio, 2) <= goal
-
-
 def run(small: int, large: int, repeats: int) -> Dict[str, Dict[int, list]]:
     """{"gc on" | "gc pending" | "gc off": {layers: [measure(...) per repeat]}}, the two sizes interleaved
     (COLLECTOR says what each mode does in the capture step)."""
@@ -211,7 +208,7 @@ def table(found: Dict[str, Dict[int, list]], small: int, large: int) -> List[tup
     rows = []
     for key, what in (("plan", "planning"), ("capture", "capture"), ("step", "per-step host time")):
         a, b = median_of(on[small], key), median_of(on[large], key)
-        rows.append((what, a, b, b / a, "PASS" if within(b / a, GOAL) else "MISS"))
+        rows.append((what, a, b, b / a, judged(b / a, GOAL)))
     for mode, what in (("gc pending", "capture, the compile's garbage not collected first (diagnosis)"),
                        ("gc off", "capture with gc.disable() (diagnosis)")):
         if mode in found:
