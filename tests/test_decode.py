@@ -80,11 +80,11 @@ def test_steady_decode_step_runs_nothing_outside_the_graph_but_input_copies(monk
 
         def __init__(self):
             super().__init__()
-            self.ops = {}
+            self.ops, self.graph_ops = {}, {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not OutsideReplay.inside:
-                self.ops[str(func)] = self.ops.get(str(func), 0) + 1
+            ops = self.graph_ops if OutsideReplay.inside else self.ops
+            ops[str(func)] = ops.get(str(func), 0) + 1
             return func(*args, **(kwargs or {}))
 
     replay = EmulatedGraph.replay
@@ -121,5 +121,10 @@ def test_steady_decode_step_runs_nothing_outside_the_graph_but_input_copies(monk
             token = step(token, pos[8 + i])
         counters.append(OutsideReplay())
         step(token, pos[13])
-    assert counters.pop().ops == {"aten._foreach_copy_.default": 1, "aten.detach.default": 1,
-                                  "aten.clone.default": 1}, inner
+    counted = counters.pop()
+    assert counted.ops == {"aten._foreach_copy_.default": 1, "aten.detach.default": 1, "aten.clone.default": 1}, inner
+    if inner == "eager":  # the graph's own ops (Inductor's are C++ kernels): each cache written in place, as eager
+        # does (rewrites/input_writes.py), not rebuilt whole (slice_scatter) and copied back (copy_)
+        # (the one copy_ is the emulator's own: the step's output into its static buffer, no work on a GPU)
+        writes = {op: n for op, n in counted.graph_ops.items() if "copy" in op or "scatter" in op}
+        assert writes == {"aten.index_copy_.default": 2 * len(model.layers), "aten.copy_.default": 1}, writes

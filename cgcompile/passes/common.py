@@ -253,6 +253,16 @@ def written_args(node: fx.Node) -> List[fx.Node]:
     return [w for w in written if isinstance(w, fx.Node)]
 
 
+def is_aten_view(node: fx.Node) -> bool:
+    """Is node an aten op returning a view of its first argument (its schema's alias annotation without a write)?
+    For aot's aten graphs, where every view op says so (`slice`, `diagonal`, `alias` included)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or not node.args:
+        return False
+    arguments = node.target._schema.arguments
+    alias = arguments[0].alias_info if arguments else None
+    return alias is not None and not alias.is_write and isinstance(node.args[0], fx.Node)
+
+
 def view_root(node: fx.Node) -> fx.Node:
     """The tensor a chain of views/indexing starts from (what an in-place write through it changes)."""
     while node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], fx.Node) \

@@ -34,6 +34,7 @@ from ...passes.collectives import collective_counts
 from ..memory.arena import OutputLayout, output_layouts
 from ..drivers.thread_state import preserved_global_state
 from ...passes.mutation import mutated_inputs
+from ...rewrites.input_writes import write_inputs_in_place
 from ..tensors import at_positions
 from .budget import refuses_capture
 from .instance import GraphInstance, capture_instance
@@ -100,9 +101,7 @@ class GraphFamily:
 
     def __init__(self, entry: "BankEntry", kind: str, run: Callable[[list], Any], mutated: frozenset,
                  collectives: Optional[Dict[str, int]] = None):
-        self.entry = entry
-        self.part = entry.part
-        self.kind = kind
+        self.entry, self.part, self.kind = entry, entry.part, kind
         self.run = run  # the uncaptured graph (aot graph, or Inductor's compiled version)
         self.mutated = mutated  # inputs the graph itself writes (Inductor keeps some input mutations)
         self.collectives = collectives or {}  # the c10d collectives the graph runs, e.g. DTensor's (stats()["graphs"])
@@ -434,6 +433,8 @@ class BankEntry:
             self.bumps = direct
             if direct:  # the arguments whose versions a call bumps, in one C call
                 self.bumped = at_positions(direct)
+        if str(self.part.config.inner_compiler) != "inductor":  # Inductor reinplaces writes itself
+            write_inputs_in_place(gm)  # `run` calls gm: a buffer's write in place, not three copies of the buffer
         mutated = mutated_inputs(gm)
         if str(self.part.config.inner_compiler) != "inductor":  # Inductor lays out its own buffers
             run = keep_traced_strides(gm, run, f"{self.part.name} {kind}")

@@ -55,7 +55,7 @@ from ..drivers.thread_state import preserved_global_state
 from ..tensors import at_positions, copy_into, flagged_parameter, static_copy, storage_ptr, uncopyable_reason
 from ..memory.claim import MemoryClaim
 from ..drivers.write_undo import WriteUndo
-from .sources import tag
+from .sources import tag_handout
 
 _copy_all = _compat.copy_all
 
@@ -79,15 +79,9 @@ class GraphInstance:
     def __init__(self, family: Any, partition: str, label: str, kind: str, captured: CapturedGraph, kinds: List[str],
                  param_storages: frozenset, capture_seconds: float, param_set: int, mutated: frozenset = frozenset(),
                  arena: Optional[OutputArena] = None):
-        self.family = family
-        self.partition = partition
-        self.label = label
-        self.kind = kind
-        self.param_set = param_set
+        self.family, self.partition, self.label, self.kind, self.param_set = family, partition, label, kind, param_set
         self.captured: Optional[CapturedGraph] = captured
-        self.kinds = kinds
-        self.param_storages = param_storages
-        self.capture_seconds = capture_seconds
+        self.kinds, self.param_storages, self.capture_seconds = kinds, param_storages, capture_seconds
         inputs = captured.static_inputs
         fixed = [i for i, k in enumerate(kinds) if k in _FIXED]
         # addresses_match(args): are the parameters, borrowed and in-place inputs where this graph reads them?
@@ -305,20 +299,15 @@ class GraphInstance:
                     for j in self.tensor_outputs:
                         outputs[j] = outputs[j].clone() if j in copied_outputs else outputs[j].detach()
                 self.claim.replayed()
-            elif alias:  # the backward finds its forward instance, and which outputs it saved, by the aliases
+            elif alias:  # the backward finds its forward instance by a tagged alias, which outputs it saved by all
                 if self.all_tensors and not copied_outputs:  # the usual training forward
                     outputs = handed = [out.detach() for out in static]
                 else:
-                    outputs = list(static)
-                    handed = [None] * len(outputs)
+                    outputs, handed = list(static), [None] * len(static)
                     for j in self.tensor_outputs:
                         outputs[j] = outputs[j].clone() if j in copied_outputs else outputs[j].detach()
-                        if j not in copied_outputs:
-                            handed[j] = outputs[j]
-                marker = self.family.marker  # one output the backward reads, once known (every alias before)
-                for out in (handed if marker is None else (handed[marker],)):
-                    if out is not None:
-                        tag(out, self)
+                        handed[j] = None if j in copied_outputs else outputs[j]
+                tag_handout(handed, self, self.family.marker)
                 self.claim.hand_out(handed)
             else:
                 outputs = [o.clone() if j in copied_outputs else o for j, o in enumerate(static)] if copied_outputs \

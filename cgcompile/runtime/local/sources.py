@@ -8,11 +8,11 @@ the attribute (measured, CPU, torch 2.13): on every forward replay, per output, 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["source_of", "tag"]
+__all__ = ["source_of", "tag", "tag_handout"]
 
 _ATTRIBUTE = "_cgcompile_source"
 
@@ -25,3 +25,11 @@ def tag(tensor: torch.Tensor, source: Any) -> None:
 def source_of(value: Any) -> Optional[Any]:
     """The forward call that handed `value` out, or None."""
     return getattr(value, _ATTRIBUTE, None)
+
+
+def tag_handout(aliases: Sequence[Optional[torch.Tensor]], source: Any, marker: Optional[int]) -> None:
+    """Tag what a forward replay handed out with its call: only the alias at `marker` (an output its backward
+    reads, once known: GraphFamily.marker), else every alias (None: a position handed out as something else)."""
+    for alias in (aliases if marker is None else (aliases[marker],)):
+        if alias is not None:
+            tag(alias, source)
