@@ -117,8 +117,7 @@ def single_call(split_gm: fx.GraphModule) -> Optional[Callable[..., Any]]:
     partition = getattr(split_gm, str(call.target))
     order = [position[a] for a in call.args]
     if order == list(range(len(placeholders))):
-        def pick(args: tuple) -> tuple:
-            return args
+        pick = tuple  # the arguments as they come (a tuple already: the same object, no copy)
     elif len(order) > 1:
         pick = operator.itemgetter(*order)
     else:

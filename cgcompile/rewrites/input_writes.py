@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.fx as fx
 
-from ..passes.common import is_aten_view
+from ..passes.common import is_aten_view, written_args
 
 __all__ = ["write_inputs_in_place"]
 
@@ -138,12 +138,7 @@ def _quiet_after(target: fx.Node, write: fx.Node, allowed: set, order: Dict[fx.N
 
 def _written_twice(target: fx.Node, copy: fx.Node) -> bool:
     """Is the input written elsewhere too (another copy_ or in-place op on it or a view of it)?"""
-    for alias in _aliases(target):
-        for user in alias.users:
-            if user is not copy and user.op == "call_function" and isinstance(user.target, torch._ops.OpOverload) \
-                    and user.target._schema.is_mutable:
-                return True
-    return False
+    return any(user is not copy and written_args(user) for alias in _aliases(target) for user in alias.users)
 
 
 def _is_output(node: fx.Node) -> bool:

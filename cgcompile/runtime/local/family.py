@@ -433,10 +433,11 @@ class BankEntry:
             self.bumps = direct
             if direct:  # the arguments whose versions a call bumps, in one C call
                 self.bumped = at_positions(direct)
-        if str(self.part.config.inner_compiler) != "inductor":  # Inductor reinplaces writes itself
+        inductor = str(self.part.config.inner_compiler) == "inductor"  # it reinplaces writes, lays out its buffers
+        if not inductor:
             write_inputs_in_place(gm)  # `run` calls gm: a buffer's write in place, not three copies of the buffer
         mutated = mutated_inputs(gm)
-        if str(self.part.config.inner_compiler) != "inductor":  # Inductor lays out its own buffers
+        if not inductor:
             run = keep_traced_strides(gm, run, f"{self.part.name} {kind}")
         elif kind == "backward":  # its kernels may write the saved tensors donated to it: undone after a capture run
             mutated |= _compat.donated_inputs()
