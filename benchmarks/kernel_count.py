@@ -10,6 +10,8 @@ kernels are counted from torch.profiler events (the launch count a GPU run would
 - one kernel per innermost kernel-running event: `aten::linear` is counted as its `aten::addmm` (whose copy of
   the bias into its output is part of it: GEMM_WITH_INPUT), views, metadata and allocations
   (cgcompile.profiling's NO_KERNEL_OPS, and `resize_`) as nothing;
+- a `_foreach_` op is one kernel (CUDA's multi-tensor kernel), except a `_foreach_copy_` that CUDA would copy
+  tensor by tensor (lists of mixed dtypes, pairs of different strides: cuda_launches), one kernel per tensor;
 - inside an emulated replay (cgcompile::graph_replay) only the graph's own ops count, those run under the
   emulator's dispatch mode (`aten::mm < PythonDispatchMode < aten::mm`: the inner one) and Inductor's kernels;
   the emulator's own work there (copying fresh outputs into the static ones, poisoning later graphs' memory)
@@ -75,8 +77,27 @@ def _key(name: str) -> str:
 
 def _foreach(name: str) -> bool:
     """A `_foreach_` op is one multi-tensor kernel on CUDA (per chunk of tensors), however many tensors: counted
-    once, its per-tensor children on the CPU not at all."""
+    once (but see cuda_launches), its per-tensor children on the CPU not at all."""
     return name.startswith("aten::_foreach_")
+
+
+def cuda_launches(event) -> int:
+    """Kernels CUDA launches for this kernel event: 1, except for a `_foreach_copy_` that CUDA's multi-tensor
+    route refuses (its destinations of more than one dtype, or its sources, or a pair differing in size or
+    stride: `foreach_tensor_copy_list_kernel_cuda_` then copies tensor by tensor), one per tensor. Read from the
+    per-tensor `copy_` children the CPU runs (their dtypes, shapes and strides: profile with record_shapes)."""
+    if event.name != "aten::_foreach_copy_":
+        return 1
+    pairs = [child for child in getattr(event, "cpu_children", ()) if child.name == "aten::copy_"]
+    if len(pairs) < 2:
+        return 1
+    dtypes = [tuple(child.input_dtypes[:2]) for child in pairs]
+    if not all(dtypes[0][0] == dst and dtypes[0][1] == src for dst, src in dtypes):
+        return len(pairs)
+    strides = [getattr(child, "structured_input_strides", None) or [None, None] for child in pairs]
+    same = all(child.input_shapes[0] == child.input_shapes[1] and stride[0] == stride[1]
+               for child, stride in zip(pairs, strides))
+    return 1 if same else len(pairs)
 
 
 def kernel_events(events: Iterable) -> Iterator[Tuple[str, str, object]]:
@@ -109,8 +130,11 @@ def kernel_events(events: Iterable) -> Iterator[Tuple[str, str, object]]:
 
 
 def count_kernels(events: Iterable) -> Counter:
-    """{(where, op): kernels} over torch.profiler events (see kernel_events)."""
-    return collections.Counter((where, op) for where, op, _ in kernel_events(events))
+    """{(where, op): kernels} over torch.profiler events (see kernel_events and cuda_launches)."""
+    found: Counter = collections.Counter()
+    for where, op, event in kernel_events(events):
+        found[(where, op)] += cuda_launches(event)
+    return found
 
 
 # --- workloads -------------------------------------------------------------------------------------------------
@@ -185,7 +209,7 @@ def kernels_per_step(name: str, variant: str, warmup: int = 6, steps: int = 2, l
         step = make_step(compiled(module, variant, options))
         for _ in range(warmup):
             step()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             for _ in range(steps):
                 step()
     found = count_kernels(prof.events())

@@ -97,6 +97,20 @@ def test_kernel_count_names_a_linear_with_bias_by_its_gemm_on_real_profiler_even
     assert kernels.count_kernels(prof.events()) == {("host", "aten::addmm"): 1, ("host", "aten::copy_"): 1}
 
 
+def test_kernel_count_counts_a_foreach_copy_as_cuda_launches_it():
+    """CUDA copies a `_foreach_copy_` list in one kernel only when every destination has one dtype, every source
+    one dtype and each pair the same size and stride; otherwise tensor by tensor (one kernel each)."""
+    import torch
+
+    kernels = load_bench("kernel_count")
+    f32, bf16 = [torch.zeros(3), torch.zeros(2)], [torch.zeros(3, dtype=torch.bfloat16), torch.zeros(2)]
+    sources, dense, strided = [torch.ones(3), torch.ones(2)], [torch.zeros(2, 3), torch.zeros(2)], torch.ones(2, 6)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        torch._foreach_copy_(f32, sources)  # one dtype: one kernel
+        torch._foreach_copy_(bf16, sources)  # two destination dtypes: one per tensor
+        torch._foreach_copy_(dense, [strided[:, ::2], sources[1]])  # a pair's strides differ: one per tensor
+    assert kernels.count_kernels(prof.events()) == {("host", "aten::_foreach_copy_"): 1 + 2 + 2}
+
 def test_kernel_diff_table_sorts_by_difference_and_sums_every_kernel():
     """gpu_kernels.diff_table on hand-made tables: the largest launch difference first (time breaks ties), long
     CUDA names cut for display but kept apart, kernels past `top` summed in one row, totals = sum of the rows,
