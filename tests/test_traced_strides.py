@@ -68,3 +68,27 @@ def test_values_off_their_traced_layout_train_and_evaluate_like_eager():
     assert replays == [0, 0, 1, 2], replays  # one partition: warmup, capture, then a replay per step
     kinds = {g["label"].rsplit(" ", 1)[-1]: g["replays"] for g in st["graphs"]}
     assert kinds["forward"] > 1 and kinds["backward"] > 1 and kinds["inference"] > 1, kinds
+
+
+def test_a_restrided_value_written_in_place_later_is_read_with_that_write():
+    """A value restrided after its op and then written in place (the eager inner compiler's intermediate writes:
+    `add_` into a `softplus_backward`): later readers see the write, on the first (checking) run and on every
+    run of the rewritten graph."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from cgcompile.runtime.local.traced_strides import keep_traced_strides
+
+    aten = torch.ops.aten
+
+    def f(grad, x, y):
+        g = aten.softplus_backward(grad.transpose(1, 2), x, 1, 20)  # real: transposed; traced (meta): contiguous
+        g.add_(y)
+        return g.view(-1) * 2  # viewable in the traced layout only
+
+    grad, x, y = torch.randn(2, 8, 4), torch.randn(2, 4, 8), torch.randn(2, 4, 8)
+    gm = make_fx(f, tracing_mode="fake")(grad, x, y)
+    assert aten.add_.Tensor in [n.target for n in gm.graph.nodes]
+    run = keep_traced_strides(gm, lambda args: gm(*args))
+    want = aten.softplus_backward(grad.transpose(1, 2), x, 1, 20).add(y).reshape(-1) * 2
+    for _ in range(2):  # the checking run, then the rewritten graph
+        torch.testing.assert_close(run([grad, x, y]), want, rtol=0, atol=0)

@@ -35,6 +35,7 @@ from ..memory.arena import OutputLayout, output_layouts
 from ..drivers.thread_state import preserved_global_state
 from ...passes.mutation import mutated_inputs
 from ...rewrites.input_writes import write_inputs_in_place
+from ...rewrites.intermediate_writes import write_intermediates_in_place
 from ..tensors import at_positions
 from .budget import refuses_capture
 from .instance import GraphInstance, capture_instance
@@ -436,6 +437,7 @@ class BankEntry:
         inductor = str(self.part.config.inner_compiler) == "inductor"  # it reinplaces writes, lays out its buffers
         if not inductor:
             write_inputs_in_place(gm)  # `run` calls gm: a buffer's write in place, not three copies of the buffer
+            write_intermediates_in_place(gm)  # and an intermediate's: one kernel, not a copy and the write
         mutated = mutated_inputs(gm)
         if not inductor:
             run = keep_traced_strides(gm, run, f"{self.part.name} {kind}")

@@ -72,7 +72,8 @@ class _StrideChecker(fx.Interpreter):
 
 
 def _rewrite(gm: fx.GraphModule, found: Sequence[tuple]) -> None:
-    """Insert `restride` after each node found; its readers read the copy, in-place writes still go to it."""
+    """Insert `restride` after each node found. Every later op reads and writes the copy, as in the checking run,
+    except that an in-place write to a graph input still goes to the input (the caller sees it)."""
     graph = gm.graph
     for node, size, stride in found:
         anchor = node
@@ -82,7 +83,7 @@ def _rewrite(gm: fx.GraphModule, found: Sequence[tuple]) -> None:
             copy = graph.call_function(restride, (node, list(size), list(stride)))
         copy.meta = dict(node.meta)
         node.replace_all_uses_with(copy, delete_user_cb=lambda user, node=node, copy=copy: (
-            user is not copy and node not in written_args(user)))
+            user is not copy and (node.op != "placeholder" or node not in written_args(user))))
     graph.lint()
     gm.recompile()
 
