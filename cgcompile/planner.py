@@ -6,7 +6,8 @@ Region rules:
   that contains an uncapturable op is left eager as a whole (the plan names the op), or raises with `strict`;
 - untagged, capture-safe glue next to a captured region of the same layer is absorbed, and adjacent captured
   regions of one layer merge into one graph (fewer replays), unless `strict_modules`;
-- with `cuda_graph_modules` empty ("whole layer"), every capture-safe span is captured, cut at layer boundaries;
+- with `cuda_graph_modules` empty ("whole layer"), every capture-safe span is captured, cut at layer boundaries,
+  each cut between two captured layers placed just before the later one's first matmul (no fusion lost there);
 - the "block" scope (inference block scope, full_iteration) captures maximal capture-safe spans, ignoring modules;
 - captured runs shorter than `min_partition_ops` stay eager: replay has a fixed cost.
 """
@@ -71,6 +72,7 @@ class _Run:
     nodes: List[fx.Node]
     glue: bool = False
     too_small: bool = False
+    lead: Optional[List[fx.Node]] = None  # the next layer's ops moved in ahead of its first matmul (not its module)
 
 
 def _selected_tags(config: CudaGraphConfig) -> frozenset:
@@ -229,7 +231,33 @@ def _span_runs(nodes, regions, blocking, *, cut_layers: bool, min_ops: int) -> L
             last.key = last.layer = common_module([last.layer, run.layer])
         else:
             merged.append(run)
-    return merged
+    return _cut_before_matmuls(merged, min_ops)
+
+
+# ops Inductor runs as extern kernels (GEMMs, attention, convolutions): a cut just before one loses no fusion
+_MATMULS = {"F.linear", "torch.matmul", "torch.mm", "torch.bmm", "torch.baddbmm", "torch.addmm", "torch.einsum",
+            "F.scaled_dot_product_attention", "operator.matmul", "Tensor.matmul", "Tensor.mm", "Tensor.bmm",
+            "torch._grouped_mm", "F.grouped_mm", "F.conv1d", "F.conv2d", "F.conv3d", "torch.conv1d", "torch.conv2d",
+            "torch.conv3d"}
+
+
+def _cut_before_matmuls(runs: List[_Run], min_ops: int) -> List[_Run]:
+    """Move each layer cut between two captured runs to just before the later run's first matmul: the ops ahead
+    of it (the next layer's input norm after the residual add, the final norm) then run in the graph that makes
+    their input, where Inductor fuses them with it (in the backward too); a cut at the matmul's input cuts no
+    fusion, since the matmul is an extern kernel that reads its input from memory either way. Not where the
+    later run would be left below min_ops (it would run eagerly)."""
+    for before, after in zip(runs, runs[1:]):
+        if before.kind != CAPTURE or after.kind != CAPTURE:
+            continue
+        first = next((i for i, n in enumerate(after.nodes) if op_name(n) in _MATMULS), None)
+        if not first or sum(counts_as_op(n) for n in after.nodes[first:]) < min_ops:
+            continue
+        head = after.nodes[:first]
+        before.nodes.extend(head)
+        before.lead = (before.lead or []) + head
+        del after.nodes[:first]
+    return runs
 
 
 def _ops(run: _Run) -> int:
@@ -326,7 +354,7 @@ def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> Lis
             coalesced[-1].nodes.extend(run.nodes)
             coalesced[-1].too_small = coalesced[-1].too_small or run.too_small
         else:
-            coalesced.append(_Run(run.kind, run.key, run.layer, list(run.nodes), run.glue, run.too_small))
+            coalesced.append(_Run(run.kind, run.key, run.layer, list(run.nodes), run.glue, run.too_small, run.lead))
 
     partitions = []
     for pid, run in enumerate(coalesced):
@@ -359,7 +387,9 @@ def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> Lis
                                 detail=f"{num_ops} ops < min_partition_ops={config.min_partition_ops}: "
                                        f"replay overhead would eat the gain")
                 reasons[(f.category, f.op, f.location)] = f
-        partitions.append(Partition(pid, run.kind, tuple(tags), common_module([regions[n].module for n in run.nodes]),
+        lead = set(run.lead or ())
+        own = [n for n in run.nodes if n not in lead] or run.nodes
+        partitions.append(Partition(pid, run.kind, tuple(tags), common_module([regions[n].module for n in own]),
                                     num_ops, tuple(reasons.values()), tuple(n.name for n in run.nodes),
                                     _padding_summary(run.nodes)))
     return partitions

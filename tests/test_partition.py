@@ -99,6 +99,37 @@ def test_whole_layer_captures_every_capture_safe_span_cut_at_layers():
     assert graph.partitions[1].nodes[-1] == "linear_4"  # the head's linear
 
 
+def test_whole_layer_cuts_just_before_the_next_layers_first_matmul():
+    """Layer 1's input norm runs in layer 0's graph (where Inductor fuses it with the residual add that makes its
+    input); the cut sits at the first linear, an extern kernel that reads its input from memory either way. The
+    partition keeps its layer's name."""
+    model = nn.Sequential(Layer(), Layer(), Layer())
+    (graph,) = plan(model, {"cuda_graph_modules": []}).graphs
+    assert summary(graph) == [("capture", "attn+mlp", "0"), ("capture", "attn+mlp", "1"),
+                              ("capture", "attn+mlp", "2")]
+    gm = torch.fx.symbolic_trace(model)  # the same ops in the same order as Dynamo's graph
+    firsts = [p.nodes[0] for p in graph.partitions[1:]]
+    assert all(name.startswith("linear") for name in firsts), firsts
+    assert [p.nodes[-1].startswith(("mul", "rsqrt")) for p in graph.partitions[:2]] == [True, True], \
+        [p.nodes[-3:] for p in graph.partitions]
+    assert sum(p.num_ops for p in graph.partitions) == sum(
+        n.op in ("call_function", "call_method", "call_module") for n in gm.graph.nodes)
+
+
+def test_whole_layer_cut_stays_at_the_layer_when_moving_it_would_leave_too_few_ops():
+    class Tail(nn.Module):  # a norm, then one linear: moved, the linear alone is below min_partition_ops
+        def __init__(self):
+            super().__init__()
+            self.norm, self.out = Norm(), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.out(self.norm(x))
+
+    (graph,) = plan(nn.Sequential(Layer(), Tail()), {"cuda_graph_modules": []}).graphs
+    assert summary(graph) == [("capture", "attn+mlp", "0"), ("capture", "", "1")]
+    assert graph.partitions[1].num_ops == 6  # the norm's 5 ops and the linear
+
+
 @pytest.mark.parametrize("model", [
     nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)),  # each child a 1-op "layer"
     nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.GELU()), nn.Sequential(nn.Linear(16, 8))),  # untagged containers

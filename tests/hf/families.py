@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+from typing import Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the hub: the configs below are complete
 
@@ -47,10 +48,13 @@ OTHER_CONFIGS = {
 }
 
 
-def build(family: str, seed: int = 0, **kwargs) -> torch.nn.Module:
-    """A freshly initialised causal LM of the family, eager attention, fp32, on the CPU."""
+def build(family: str, seed: int = 0, layers: Optional[int] = None, **kwargs) -> torch.nn.Module:
+    """A freshly initialised causal LM of the family, eager attention, fp32, on the CPU (`layers` decoder layers
+    instead of the config's)."""
     torch.manual_seed(seed)
     config = (CONFIGS.get(family) or OTHER_CONFIGS[family])()
+    if layers is not None:
+        config.num_hidden_layers = layers
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                                          **kwargs)
 
