@@ -16,10 +16,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ... import _compat
 from ...counters import add as count, reuse
 from .. import release as releases
 from ..drivers.base import Driver
 from ..drivers.select import EagerDriver, captures_on, get_driver
+from .frame_outputs import copy_out
 from .sources import source_of
 from ..memory.registry import MemoryRegistry
 from .budget import GraphBudget, check_after_capture
@@ -64,7 +66,8 @@ class ModelRuntime:
 
     def finish_frame_outputs(self, outputs: Any) -> Any:
         """Clone the frame outputs that alias static memory (when config.clone_outputs), so the next replay
-        cannot overwrite what the caller holds. Handles a tensor or a flat list/tuple (Dynamo's output). An
+        cannot overwrite what the caller holds; several at once in a kernel per dtype (frame_outputs.py).
+        Handles a tensor or a flat list/tuple (Dynamo's output). An
         output of a warmup run is told it leaves the frame: the caller keeping it is no reason to hand that
         position out as a copy later (runtime/local/family.py), since replays' frame outputs are cloned here."""
         if not self.config.clone_outputs:
@@ -79,7 +82,16 @@ class ModelRuntime:
         if isinstance(outputs, torch.Tensor):
             return outputs.clone() if memory.owns(outputs) else outputs
         if isinstance(outputs, (list, tuple)):
-            fixed = [o.clone() if memory.owns(o) else o for o in outputs]
+            owned = [j for j, o in enumerate(outputs) if memory.owns(o)]
+            fixed = list(outputs)
+            if len(owned) == 1:
+                fixed[owned[0]] = outputs[owned[0]].clone()
+            elif owned:
+                plain = [j for j in owned if not _compat.is_wrapper_subclass(outputs[j])]
+                for j, copied in zip(plain, copy_out([outputs[j] for j in plain])):  # a kernel per dtype (CUDA)
+                    fixed[j] = copied
+                for j in set(owned) - set(plain):
+                    fixed[j] = outputs[j].clone()
             if type(outputs) in (list, tuple):
                 return type(outputs)(fixed)
             return type(outputs)(*fixed)  # namedtuple

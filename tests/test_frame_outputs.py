@@ -1,0 +1,85 @@
+"""runtime/local/frame_outputs.py: a frame's outputs copied out of graph memory, several of one dtype in one
+`_foreach_copy_` (one CUDA kernel), with what `clone` gives: values, layouts, autograd history."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import cgcompile
+from cgcompile.runtime.local.frame_outputs import copy_out
+
+
+def test_copies_equal_clones_in_values_layouts_and_gradients():
+    base = torch.randn(4, 6, requires_grad=True)
+    tensors = [base * 2, (base * 3).t(), base.detach().to(torch.bfloat16), base.sum(), torch.arange(3),
+               (base * 4).to(torch.bfloat16)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        copies = copy_out(tensors)
+    names = [e.name for e in prof.events()]
+    assert names.count("aten::_foreach_copy_") == 2  # float32 (3 tensors) and bfloat16 (2); the int64 one alone
+    assert "aten::clone" not in names
+    for t, c in zip(tensors, copies):
+        assert torch.equal(t, c) and c.stride() == t.stride() and c.data_ptr() != t.data_ptr()
+        assert c.requires_grad == t.requires_grad
+    weights = [torch.randn_like(c, dtype=torch.float32) for c in copies if c.requires_grad]
+    grads = torch.autograd.grad([(c.float() * w).sum() for c, w in zip([c for c in copies if c.requires_grad],
+                                                                        weights)], base, retain_graph=True)
+    want = torch.autograd.grad([(t.float() * w).sum() for t, w in zip([t for t in tensors if t.requires_grad],
+                                                                       weights)], base)
+    torch.testing.assert_close(grads, want, rtol=0, atol=0)
+
+
+def test_lone_tensors_of_their_dtype_are_cloned():
+    tensors = [torch.randn(3), torch.arange(2)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        copies = copy_out(tensors)
+    names = [e.name for e in prof.events()]
+    assert names.count("aten::clone") == 2 and "aten::_foreach_copy_" not in names
+    assert all(torch.equal(t, c) for t, c in zip(tensors, copies))
+
+
+class ThreeOutputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        k = self.b(h)
+        return h.sum() + k.pow(2).mean(), k, h
+
+
+def test_a_training_frames_outputs_leave_in_one_copy_and_train_like_eager():
+    torch.manual_seed(0)
+    model = ThreeOutputs()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="cudagraph_modules",
+                             options={"driver": "emulate", "cuda_graph_warmup_steps": 1})
+    cgcompile.reset_stats()
+    kept = []
+    for step in range(5):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        if step == 4:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                out = compiled(x)
+        else:
+            out = compiled(x)
+        want = reference(x)
+        (out[0] + out[1].sum() * 0.5).backward()
+        (want[0] + want[1].sum() * 0.5).backward()
+        for got, expected in zip(out, want):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+            p.grad = q.grad = None
+        kept.append(out)
+    assert cgcompile.stats()["steady_replays"] > 0
+    # outputs kept from every step still hold their own step's values (none was overwritten by a later replay)
+    for step, out in enumerate(kept):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        torch.testing.assert_close(out[1], reference(x)[1], rtol=0, atol=0)
+    copies = [e for e in prof.events() if e.name == "aten::_foreach_copy_"
+              and sum(c.name == "aten::copy_" for c in e.cpu_children) == 3]
+    assert copies and not [e for e in prof.events() if e.name == "aten::clone"]  # the three outputs, in one copy
