@@ -82,20 +82,29 @@ class ModelRuntime:
         if isinstance(outputs, torch.Tensor):
             return outputs.clone() if memory.owns(outputs) else outputs
         if isinstance(outputs, (list, tuple)):
-            owned = [j for j, o in enumerate(outputs) if memory.owns(o)]
-            fixed = list(outputs)
-            if len(owned) == 1:
-                fixed[owned[0]] = outputs[owned[0]].clone()
-            elif owned:
-                plain = [j for j in owned if not _compat.is_wrapper_subclass(outputs[j])]
-                for j, copied in zip(plain, copy_out([outputs[j] for j in plain])):  # a kernel per dtype (CUDA)
-                    fixed[j] = copied
-                for j in set(owned) - set(plain):
-                    fixed[j] = outputs[j].clone()
+            if len(outputs) == 1:  # a decode step's token: the per-step path as short as it was
+                fixed = [o.clone() if memory.owns(o) else o for o in outputs]
+            else:
+                fixed = self._copied_out(outputs)
             if type(outputs) in (list, tuple):
                 return type(outputs)(fixed)
             return type(outputs)(*fixed)  # namedtuple
         return outputs
+
+    def _copied_out(self, outputs: Sequence[Any]) -> List[Any]:
+        """`outputs` with those in graph memory copied out, several of one dtype at once (frame_outputs.py)."""
+        memory = self.memory
+        owned = [j for j, o in enumerate(outputs) if memory.owns(o)]
+        fixed = list(outputs)
+        if len(owned) == 1:
+            fixed[owned[0]] = outputs[owned[0]].clone()
+        elif owned:
+            plain = [j for j in owned if not _compat.is_wrapper_subclass(outputs[j])]
+            for j, copied in zip(plain, copy_out([outputs[j] for j in plain])):  # a kernel per dtype (CUDA)
+                fixed[j] = copied
+            for j in set(owned) - set(plain):
+                fixed[j] = outputs[j].clone()
+        return fixed
 
     def log_capture_summary(self) -> None:
         """Log the capture summary line now (once per runtime; no-op before the first capture)."""
