@@ -263,6 +263,14 @@ def is_aten_view(node: fx.Node) -> bool:
     return alias is not None and not alias.is_write and isinstance(node.args[0], fx.Node)
 
 
+def same_traced_layout(a: fx.Node, b: fx.Node) -> bool:
+    """Do the two nodes' traced values (`meta["val"]`) have the same size, stride and dtype (readers of `a` may read
+    `b` instead, as a rewrite that writes in place makes them)?"""
+    x, y = a.meta.get("val"), b.meta.get("val")
+    return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype \
+        and tuple(x.shape) == tuple(y.shape) and tuple(x.stride()) == tuple(y.stride())
+
+
 def view_root(node: fx.Node) -> fx.Node:
     """The tensor a chain of views/indexing starts from (what an in-place write through it changes)."""
     while node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], fx.Node) \

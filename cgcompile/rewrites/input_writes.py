@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.fx as fx
 
-from ..passes.common import is_aten_view, written_args
+from ..passes.common import is_aten_view, same_traced_layout, written_args
 
 __all__ = ["write_inputs_in_place"]
 
@@ -59,7 +59,7 @@ def _in_place_at_input(gm: fx.GraphModule, target: fx.Node, new: fx.Node, copy: 
                        order: Dict[fx.Node, int]) -> bool:
     """new = op(target, ...): op_(target, ...)."""
     in_place = _in_place_variant(new)
-    if in_place is None or new.args[0] is not target or not _same_layout(new, target) \
+    if in_place is None or new.args[0] is not target or not same_traced_layout(new, target) \
             or not _quiet_after(target, new, {new, copy}, order) or _is_output(new):
         return False
     new.target = in_place
@@ -78,8 +78,8 @@ def _in_place_through_view(gm: fx.GraphModule, target: fx.Node, new: fx.Node, co
     in_place = _in_place_variant(written)
     if in_place is None or not isinstance(view, fx.Node) or view.target is not view_op \
             or view.args[0] is not target or tuple(view.args[1:]) != tuple(new.args[2:]) or view.kwargs != new.kwargs \
-            or len(view.users) != 1 or set(written.users) != {new} or not _same_layout(written, view) \
-            or not _same_layout(new, target) or not _quiet_after(target, written, {view, written, new, copy}, order):
+            or len(view.users) != 1 or set(written.users) != {new} or not same_traced_layout(written, view) \
+            or not same_traced_layout(new, target) or not _quiet_after(target, written, {view, written, new, copy}, order):
         return False
     written.target = in_place
     new.replace_all_uses_with(target, delete_user_cb=lambda user: user is not copy)
@@ -107,13 +107,6 @@ def _in_place_variant(node: fx.Node) -> Optional[torch._ops.OpOverload]:
             a.name != b.name for a, b in zip(arguments[1:], schema.arguments[1:])):
         return None
     return in_place
-
-
-def _same_layout(a: fx.Node, b: fx.Node) -> bool:
-    """Do the two nodes' traced values have the same size, stride and dtype (readers of `a` may read `b` instead)?"""
-    x, y = a.meta.get("val"), b.meta.get("val")
-    return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype \
-        and tuple(x.shape) == tuple(y.shape) and tuple(x.stride()) == tuple(y.stride())
 
 
 def _aliases(target: fx.Node) -> List[fx.Node]:

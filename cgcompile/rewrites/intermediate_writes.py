@@ -24,6 +24,8 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.reinplace import reinplace
 
+from ..passes.common import same_traced_layout
+
 __all__ = ["write_intermediates_in_place"]
 
 log = logging.getLogger("cgcompile")
@@ -43,25 +45,16 @@ def write_intermediates_in_place(gm: fx.GraphModule) -> int:
     except Exception as exc:  # e.g. torch 2.13's pass on a graph holding `_assert_async` (one_hot's checks)
         log.debug("cgcompile: intermediate writes left as aot wrote them: reinplace failed: %s: %s",
                   type(exc).__name__, exc)
+        rewritten = None
+    else:
+        rewritten = [node for node in gm.graph.nodes if node in before and node.target is not before[node]]
+    # the in-place op's readers now read the tensor it writes: its layout must be the one they were traced with
+    if rewritten is None or not all(isinstance(n.args[0], fx.Node) and same_traced_layout(n, n.args[0])
+                                    for n in rewritten):
         gm.graph = saved
         gm.recompile()
         return 0
-    rewritten = [node for node in gm.graph.nodes
-                 if node in before and node.target is not before[node]]
-    if not rewritten:
-        return 0
-    if not all(map(_same_layout, rewritten)):
-        gm.graph = saved
+    if rewritten:
+        gm.graph.lint()
         gm.recompile()
-        return 0
-    gm.graph.lint()
-    gm.recompile()
     return len(rewritten)
-
-
-def _same_layout(node: fx.Node) -> bool:
-    """Does the in-place op hand its readers the layout the out-of-place op did (its traced value)?"""
-    value, target = node.meta.get("val"), node.args[0].meta.get("val") if node.args and isinstance(
-        node.args[0], fx.Node) else None
-    return isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor) and (
-        value.shape == target.shape and value.stride() == target.stride() and value.dtype == target.dtype)

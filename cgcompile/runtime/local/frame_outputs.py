@@ -28,7 +28,7 @@ def copy_out(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     if all(len(members) < 2 for members in groups.values()):
         return [t.clone() for t in tensors]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return list(_CopiesOut.apply(*tensors))
+        return list(_CopiesOut.apply(groups, *tensors))
     return _copies(tensors, groups)
 
 
@@ -53,13 +53,14 @@ class _CopiesOut(torch.autograd.Function):
     """The grouped copy for outputs that need gradients: forward copies, backward passes each gradient on."""
 
     @staticmethod
-    def forward(ctx: Any, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, groups: Dict[Tuple[Any, Any], List[int]],
+                *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
-        out = _copies(tensors, _groups(tensors))
+        out = _copies(tensors, groups)
         # an output whose source needs no gradient needs none either (as with `clone`)
         ctx.mark_non_differentiable(*[o for o, t in zip(out, tensors) if not t.requires_grad])
         return tuple(out)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Tuple[Any, ...]:
-        return grads
+        return (None, *grads)  # none for the groups

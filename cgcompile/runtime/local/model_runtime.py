@@ -96,14 +96,11 @@ class ModelRuntime:
         memory = self.memory
         owned = [j for j, o in enumerate(outputs) if memory.owns(o)]
         fixed = list(outputs)
-        if len(owned) == 1:
-            fixed[owned[0]] = outputs[owned[0]].clone()
-        elif owned:
-            plain = [j for j in owned if not _compat.is_wrapper_subclass(outputs[j])]
-            for j, copied in zip(plain, copy_out([outputs[j] for j in plain])):  # a kernel per dtype (CUDA)
-                fixed[j] = copied
-            for j in set(owned) - set(plain):
-                fixed[j] = outputs[j].clone()
+        plain = [j for j in owned if not _compat.is_wrapper_subclass(outputs[j])]
+        for j, copied in zip(plain, copy_out([outputs[j] for j in plain])):  # a kernel per dtype (CUDA)
+            fixed[j] = copied
+        for j in set(owned) - set(plain):  # a wrapper subclass (DTensor): its own clone
+            fixed[j] = outputs[j].clone()
         return fixed
 
     def log_capture_summary(self) -> None:
