@@ -9,6 +9,7 @@ import torch
 
 import cgcompile
 from cgcompile.runtime.local.frame_outputs import copy_out
+from cgcompile.runtime.local.zero_grads import ZeroGrads, layout_of
 
 
 def test_copies_equal_clones_in_values_layouts_and_gradients():
@@ -83,3 +84,62 @@ def test_a_training_frames_outputs_leave_in_one_copy_and_train_like_eager():
     copies = [e for e in prof.events() if e.name == "aten::_foreach_copy_"
               and sum(c.name == "aten::copy_" for c in e.cpu_children) == 3]
     assert copies and not [e for e in prof.events() if e.name == "aten::clone"]  # the three outputs, in one copy
+
+
+def test_zero_grads_hands_out_one_zeros_tensor_per_layout_until_written():
+    zeros = ZeroGrads()
+    source = torch.randn(3, 4).t()  # the zeros are contiguous whatever the output's strides (as autograd's)
+    z = zeros.like(layout_of(source))
+    assert torch.equal(z, torch.zeros(4, 3)) and z.is_contiguous() and zeros.issued(z)
+    assert zeros.like(layout_of(source)) is z and not zeros.issued(torch.zeros(4, 3))
+    fresh = zeros.private([z, source])
+    assert fresh[1] is source and fresh[0] is not z and torch.equal(fresh[0], z)
+    z.add_(1)  # written (a caller kept it after all): never handed out again
+    assert not zeros.issued(z) and zeros.like(layout_of(source)) is not z
+
+
+def steps_like_eager(compiled, model, reference, uses, backward_twice=()):
+    """Train `compiled` and `reference` side by side; `uses[step]`: does the loss use the second output?"""
+    for step, use in enumerate(uses):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        losses = []
+        for fn in (compiled, reference):
+            out = fn(x)
+            loss = out[0] + (out[1].sum() * 0.5 if use else 0)
+            if step in backward_twice:
+                loss.backward(retain_graph=True)
+            loss.backward()
+            losses.append(loss)
+        torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+            p.grad = q.grad = None
+
+
+def test_outputs_without_a_gradient_get_the_same_zeros_copied_in_once():
+    """The backward of a frame whose loss leaves two outputs without a gradient: no zeros made per step and
+    none copied into the backward graph's buffers once they hold them; exact against eager, also when a step
+    does use an output (a real gradient is copied in), a second backward (run eagerly) and back again."""
+    torch.manual_seed(0)
+    model = ThreeOutputs()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="cudagraph_modules",
+                             options={"driver": "emulate", "cuda_graph_warmup_steps": 1})
+    cgcompile.reset_stats()
+    steps_like_eager(compiled, model, reference, [False] * 4)
+    x = torch.randn(4, 8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        compiled(x)[0].backward()
+    steady = cgcompile.stats()["steady_replays"]
+    assert steady > 0
+    names = [e.name for e in prof.events()]
+    assert "aten::zero_" not in names and "aten::zeros" not in names  # the loss's seed is a fill_, as in eager
+    copied = [[c.input_shapes[0] for c in e.cpu_children if c.name == "aten::copy_"]
+              for e in prof.events() if e.name == "aten::_foreach_copy_"]
+    # x into the forward's buffer, the three outputs out, and into the backward's buffers only the loss's
+    # gradient (shape []): the zeros for k and h are there from the step before (it was [[], [4, 8], [4, 8]])
+    assert copied == [[[4, 8]], [[], [4, 8], [4, 8]], [[]]], copied
+    for p in model.parameters():
+        p.grad = None
+    steps_like_eager(compiled, model, reference, [True, False, False, True, False], backward_twice={2})
+    assert cgcompile.stats()["steady_replays"] > steady

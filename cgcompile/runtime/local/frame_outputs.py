@@ -8,27 +8,31 @@ the sources' sizes and strides, which `empty_like` gives). So outputs sharing a 
 together; a tensor alone in its group is cloned as before.
 
 `_foreach_copy_` has no autograd formula, and a training frame's outputs carry the gradient back into the graphs
-that made them: the grouped copy runs inside one autograd Function whose backward hands each gradient through
-unchanged, as `clone`'s does.
+that made them: the copy runs inside one autograd Function whose backward hands each gradient through unchanged,
+as `clone`'s does, and gives an output that got no gradient (the logits beside the loss) the same zeros every
+step (zero_grads.py) where autograd would make new ones.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from .zero_grads import ZeroGrads, layout_of
 
 __all__ = ["copy_out"]
 
 
-def copy_out(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+def copy_out(tensors: Sequence[torch.Tensor], zeros: Optional[ZeroGrads] = None) -> List[torch.Tensor]:
     """Copies of `tensors` (plain tensors) with their layouts, in one kernel per device and dtype shared by two
-    or more of them; the copies carry autograd history as `clone` would."""
+    or more of them; the copies carry autograd history as `clone` would, an output's missing gradient being
+    `zeros`' tensor of its layout where it has one."""
     groups = _groups(tensors)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return list(_CopiesOut.apply(groups, zeros, *tensors))
     if all(len(members) < 2 for members in groups.values()):
         return [t.clone() for t in tensors]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return list(_CopiesOut.apply(groups, *tensors))
     return _copies(tensors, groups)
 
 
@@ -53,9 +57,12 @@ class _CopiesOut(torch.autograd.Function):
     """The grouped copy for outputs that need gradients: forward copies, backward passes each gradient on."""
 
     @staticmethod
-    def forward(ctx: Any, groups: Dict[Tuple[Any, Any], List[int]],
+    def forward(ctx: Any, groups: Dict[Tuple[Any, Any], List[int]], zeros: Optional[ZeroGrads],
                 *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
+        ctx.zeros = zeros
+        ctx.layouts = [layout_of(t) if t.requires_grad and zeros is not None and t.layout == torch.strided else None
+                       for t in tensors]
         out = _copies(tensors, groups)
         # an output whose source needs no gradient needs none either (as with `clone`)
         ctx.mark_non_differentiable(*[o for o, t in zip(out, tensors) if not t.requires_grad])
@@ -63,4 +70,7 @@ class _CopiesOut(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Tuple[Any, ...]:
-        return (None, *grads)  # none for the groups
+        layouts = ctx.layouts
+        passed = [ctx.zeros.like(layouts[i]) if g is None and layouts[i] is not None else g
+                  for i, g in enumerate(grads)]
+        return (None, None, *passed)  # none for the groups and the zeros

@@ -56,6 +56,7 @@ from ..tensors import at_positions, copy_into, flagged_parameter, static_copy, s
 from ..memory.claim import MemoryClaim
 from ..drivers.write_undo import WriteUndo
 from .sources import tag_handout
+from .zero_grads import ZeroGrads
 
 _copy_all = _compat.copy_all
 
@@ -78,7 +79,7 @@ class GraphInstance:
 
     def __init__(self, family: Any, partition: str, label: str, kind: str, captured: CapturedGraph, kinds: List[str],
                  param_storages: frozenset, capture_seconds: float, param_set: int, mutated: frozenset = frozenset(),
-                 arena: Optional[OutputArena] = None):
+                 arena: Optional[OutputArena] = None, zero_grads: Optional[ZeroGrads] = None):
         self.family, self.partition, self.label, self.kind, self.param_set = family, partition, label, kind, param_set
         self.captured: Optional[CapturedGraph] = captured
         self.kinds, self.param_storages, self.capture_seconds = kinds, param_storages, capture_seconds
@@ -96,6 +97,14 @@ class GraphInstance:
         self.copy_buffers = [inputs[i] for i in self.copied_inputs]
         # the call's arguments at self.copied_inputs, as a sequence, in one C call
         self._copy_sources = at_positions(self.copied_inputs)
+        # a backward's copied-in gradients that may be the frame's shared zeros (zero_grads.py): buffers no output
+        # shares, so nothing but the copy in writes them; per position, (zeros, their version, the buffer's) as
+        # last copied, to skip copying them again
+        outputs = {storage_ptr(t) for t in captured.static_outputs if isinstance(t, torch.Tensor)}
+        self.zero_grads = zero_grads
+        self.zero_positions = [i for i in self.copied_inputs if storage_ptr(inputs[i]) not in outputs] \
+            if zero_grads is not None else []
+        self.zeros_in: Dict[int, Tuple[torch.Tensor, int, int]] = {}
         self.tensor_outputs = [j for j, t in enumerate(captured.static_outputs) if isinstance(t, torch.Tensor)]
         self.all_tensors = len(self.tensor_outputs) == len(captured.static_outputs)
         # replay_plain serves it under no_grad: an inference graph whose every input is copied in or read in place,
@@ -273,6 +282,25 @@ class GraphInstance:
         self.replays += 1  # counted in stats() by the caller when it brings its clocks up to date (add_replays)
         return outputs
 
+    def _copy_in_but_zeros(self, args: Sequence[Any]) -> None:
+        """Copy the copied-in arguments into their buffers in one dispatch, but not the shared zeros a buffer
+        holds already (the same tensor, neither it nor the buffer written since: version counters tell)."""
+        inputs, held = self.captured.static_inputs, self.zeros_in
+        if held:
+            pairs = [(inputs[i], args[i]) for i in self.copied_inputs
+                     if not (i in held and held[i][0] is args[i] and held[i][1] == args[i]._version
+                             and held[i][2] == inputs[i]._version)]
+            if pairs:
+                _copy_all([b for b, _ in pairs], [a for _, a in pairs])
+        else:
+            _copy_all(self.copy_buffers, self._copy_sources(args))
+        issued = self.zero_grads.issued
+        for i in self.zero_positions:
+            if issued(args[i]):
+                held[i] = (args[i], args[i]._version, inputs[i]._version)
+            else:
+                held.pop(i, None)
+
     def replay(self, args: Sequence[Any], alias: bool, copied_outputs: Set[int] = frozenset()) -> List[Any]:
         """Run the graph for `args`: outputs handed out as aliases (or, at positions in `copied_outputs`, as
         copies), or
@@ -282,7 +310,9 @@ class GraphInstance:
         if grad:  # copies into our buffers and the aliases handed out carry no autograd history
             _compat.set_grad_enabled(False)
         try:
-            if self.copied_inputs:  # one dispatch (a caller passing our own buffer back copies it onto itself)
+            if self.zero_positions:
+                self._copy_in_but_zeros(args)
+            elif self.copied_inputs:  # one dispatch (a caller passing our own buffer back copies it onto itself)
                 _copy_all(self.copy_buffers, self._copy_sources(args))
             for i in self.expanded_inputs:
                 copy_into(self.captured.static_inputs[i], args[i])
@@ -420,7 +450,7 @@ def capture_instance(family: Any, partition: str, label: str, kind: str, run: Ca
     captured = driver.capture(fn, inputs, runtime.pool(), warmup=not warmed_up, written=sorted(mutated))
     seconds = time.perf_counter() - start
     graph = GraphInstance(family, partition, label, kind, captured, kinds, param_storages, seconds, param_set, mutated,
-                          arena)
+                          arena, runtime.zero_grads if kind == "backward" else None)
     del inputs, captured
     runtime.register(graph, lenders)
     if arena is not None:
