@@ -18,7 +18,6 @@ from .planner import plan_graph
 from .rewrites.checkpoint_inline import inline_checkpoints_around_islands
 from .rewrites.padding import pad_dynamic_rows
 from .rewrites.scalar_reads import hoist_scalar_input_reads
-from .rewrites.sibling_matmuls import group_sibling_matmuls
 
 __all__ = ["make_plan", "scope_for"]
 
@@ -45,8 +44,6 @@ def make_plan(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGra
     inline_checkpoints_around_islands(gm)
     hoist_scalar_input_reads(gm)
     pad_dynamic_rows(gm, config)
-    if training and scope == LAYER_SCOPE:  # the layer cut takes sibling matmuls along (planner._cut_before_matmuls)
-        group_sibling_matmuls(gm)
     graph_plan = plan_graph(gm, config, index, training=training, device=device_of(example_inputs).type,
                             scope=scope or OFF_SCOPE, validate_tags=validate_tags,
                             input_findings=resharded_inputs(gm, example_inputs, config.fsdp_keep_unsharded))

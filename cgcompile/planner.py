@@ -27,7 +27,7 @@ from .config import CudaGraphConfig, CudaGraphImpl
 from .megatron_flags import unmatched_selection
 from .errors import ConfigError
 from .passes import RegionInfo, analyze, compute_nodes, module_regions, node_location
-from .passes.common import MATMULS, counts_as_op, node_module_path, op_name
+from .passes.common import counts_as_op, node_module_path, op_name
 from .passes.dtensor import redistributions
 from .passes.padding_marks import PADDED
 from .passes.state_switches import functorch_spans, is_state_node, state_effect
@@ -147,7 +147,7 @@ def plan_graph(gm: fx.GraphModule, config: CudaGraphConfig, index: int = 0, *, t
         runs = _selected_runs(nodes, regions, blocking, selected, config)
     else:
         runs = _span_runs(nodes, regions, blocking, cut_layers=scope == LAYER_SCOPE,
-                          min_ops=config.min_partition_ops, siblings=training)
+                          min_ops=config.min_partition_ops)
 
     partitions = _place_state_nodes(gm, _finish(runs, regions, blocking, selected, config, scope))
     partitions = _note_redistributions(gm, partitions)
@@ -210,7 +210,7 @@ def _place_state_nodes(gm: fx.GraphModule, partitions: List[Partition]) -> List[
     return partitions
 
 
-def _span_runs(nodes, regions, blocking, *, cut_layers: bool, min_ops: int, siblings: bool) -> List[_Run]:
+def _span_runs(nodes, regions, blocking, *, cut_layers: bool, min_ops: int) -> List[_Run]:
     runs: List[_Run] = []
     for node in nodes:
         kind = EAGER if node in blocking else CAPTURE
@@ -231,39 +231,32 @@ def _span_runs(nodes, regions, blocking, *, cut_layers: bool, min_ops: int, sibl
             last.key = last.layer = common_module([last.layer, run.layer])
         else:
             merged.append(run)
-    return _cut_before_matmuls(merged, min_ops, siblings)
+    return _cut_before_matmuls(merged, min_ops)
 
 
-def _cut_before_matmuls(runs: List[_Run], min_ops: int, siblings: bool) -> List[_Run]:
+# ops Inductor runs as extern kernels (GEMMs, attention, convolutions): a cut just before one loses no fusion
+_MATMULS = {"F.linear", "torch.matmul", "torch.mm", "torch.bmm", "torch.baddbmm", "torch.addmm", "torch.einsum",
+            "F.scaled_dot_product_attention", "operator.matmul", "Tensor.matmul", "Tensor.mm", "Tensor.bmm",
+            "torch._grouped_mm", "F.grouped_mm", "F.conv1d", "F.conv2d", "F.conv3d", "torch.conv1d", "torch.conv2d",
+            "torch.conv3d"}
+
+
+def _cut_before_matmuls(runs: List[_Run], min_ops: int) -> List[_Run]:
     """Move each layer cut between two captured runs to just before the later run's first matmul: the ops ahead
     of it (the next layer's input norm after the residual add, the final norm) then run in the graph that makes
     their input, where Inductor fuses them with it (in the backward too); a cut at the matmul's input cuts no
     fusion, since the matmul is an extern kernel that reads its input from memory either way. Not where the
-    later run would be left below min_ops (it would run eagerly).
-
-    With `siblings` (a training graph), two or more matmuls that read that same input (an attention's q, k and v
-    projections, side by side after rewrites/sibling_matmuls.py) go with it: in the backward their input
-    gradients are summed, a kernel of its own at the end of the later graph, where in the earlier one the sum
-    fuses with the norm's backward, as in a whole-graph compile."""
+    later run would be left below min_ops (it would run eagerly)."""
     for before, after in zip(runs, runs[1:]):
         if before.kind != CAPTURE or after.kind != CAPTURE:
             continue
-        first = next((i for i, n in enumerate(after.nodes) if op_name(n) in MATMULS), None)
-        if first is None:
+        first = next((i for i, n in enumerate(after.nodes) if op_name(n) in _MATMULS), None)
+        if not first or sum(counts_as_op(n) for n in after.nodes[first:]) < min_ops:
             continue
-        source = after.nodes[first].args[0] if after.nodes[first].args else None
-        end = first + 1
-        while siblings and end < len(after.nodes) and op_name(after.nodes[end]) in MATMULS \
-                and after.nodes[end].args and after.nodes[end].args[0] is source:
-            end += 1
-        if end - first < 2 or sum(counts_as_op(n) for n in after.nodes[end:]) < min_ops:
-            end = first  # the cut stays before the first matmul
-        if not end or sum(counts_as_op(n) for n in after.nodes[end:]) < min_ops:
-            continue
-        head = after.nodes[:end]
+        head = after.nodes[:first]
         before.nodes.extend(head)
         before.lead = (before.lead or []) + head
-        del after.nodes[:end]
+        del after.nodes[:first]
     return runs
 
 

@@ -3,7 +3,6 @@
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import cgcompile
 from cgcompile.planner import layer_of, common_module
@@ -115,66 +114,6 @@ def test_whole_layer_cuts_just_before_the_next_layers_first_matmul():
         [p.nodes[-3:] for p in graph.partitions]
     assert sum(p.num_ops for p in graph.partitions) == sum(
         n.op in ("call_function", "call_method", "call_module") for n in gm.graph.nodes)
-
-
-class QkvLayer(nn.Module):
-    """A decoder layer's shape: a norm read by three projections (q's views between q's and k's matmul)."""
-
-    def __init__(self):
-        super().__init__()
-        self.norm, self.q, self.k, self.v, self.o = Norm(), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), \
-            nn.Linear(8, 8)
-
-    def forward(self, x):
-        h = self.norm(x)
-        q = self.q(h).view(4, 2, 4).transpose(0, 1)
-        k = self.k(h).view(4, 2, 4).transpose(0, 1)
-        v = self.v(h)
-        mixed = torch.softmax(q @ k.transpose(1, 2), -1).sum(0) @ v
-        return x + self.o(torch.tanh(mixed))
-
-
-def test_training_cut_takes_the_next_layers_sibling_matmuls_along():
-    """In a training graph, layer 1's q, k and v matmuls (side by side after rewrites/sibling_matmuls.py) run in
-    layer 0's graph with the norm they read: their input gradients' sum then fuses with the norm's backward.
-    Without grad (no backward) the cut stays before the first matmul."""
-    model = nn.Sequential(QkvLayer(), QkvLayer())
-    (graph,) = plan(model, {"cuda_graph_modules": []}).graphs
-    assert summary(graph) == [("capture", "", "0"), ("capture", "", "1")]
-    first, second = graph.partitions
-    assert first.nodes[-5:] == ("rsqrt_1", "h_1", "linear_4", "linear_5", "v_1"), first.nodes[-5:]
-    assert second.nodes[0].startswith("view"), second.nodes[:3]
-    with torch.no_grad():
-        (graph,) = plan(model, {"cuda_graph_modules": [], "inference_cuda_graph_scope": "layer"}).graphs
-    assert graph.partitions[1].nodes[0] == "linear_4" and "v_1" in graph.partitions[1].nodes
-
-
-def test_sibling_matmuls_move_only_where_the_graph_means_the_same():
-    from cgcompile.rewrites.sibling_matmuls import group_sibling_matmuls
-
-    class Functional(QkvLayer):  # symbolic_trace keeps nn.Linear whole: F.linear with weights by get_attr
-        def forward(self, x):
-            h = self.norm(x)
-            q = F.linear(h, self.q.weight, self.q.bias).view(4, 2, 4)
-            return q.sum(1) + F.linear(h, self.k.weight, self.k.bias)[:, :4] + F.linear(h, self.v.weight)[:, 4:]
-
-    class Written(QkvLayer):  # an in-place write between q's and k's matmul: k must read h after it
-        def forward(self, x):
-            h = self.norm(x)
-            q = F.linear(h, self.q.weight, self.q.bias)
-            h.mul_(2)
-            return q + F.linear(h, self.k.weight, self.k.bias) + F.linear(h, self.v.weight)
-
-    for layer, moved in ((Functional(), True), (Written(), False)):
-        gm = torch.fx.symbolic_trace(layer)
-        x = torch.randn(4, 8)
-        expected = layer(x.clone())
-        names = [n.name for n in gm.graph.nodes]
-        group_sibling_matmuls(gm)
-        linears = [i for i, n in enumerate(gm.graph.nodes) if n.target is F.linear]
-        assert (linears[2] - linears[0] == 2) is moved, [n.name for n in gm.graph.nodes]
-        assert ([n.name for n in gm.graph.nodes] != names) is moved
-        torch.testing.assert_close(gm(x.clone()), expected, rtol=0, atol=0)
 
 
 def test_whole_layer_cut_stays_at_the_layer_when_moving_it_would_leave_too_few_ops():

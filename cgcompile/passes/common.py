@@ -218,13 +218,6 @@ def is_scalar_input_read(node: fx.Node) -> bool:
     return bool(getattr(source.meta.get("grapharg"), "pass_arg_as_tensor", False))
 
 
-# ops Inductor runs as extern kernels (GEMMs, attention, convolutions), by op_name: no fusion crosses one
-MATMULS = frozenset({"F.linear", "torch.matmul", "torch.mm", "torch.bmm", "torch.baddbmm", "torch.addmm",
-                     "torch.einsum", "F.scaled_dot_product_attention", "operator.matmul", "Tensor.matmul",
-                     "Tensor.mm", "Tensor.bmm", "torch._grouped_mm", "F.grouped_mm", "F.conv1d", "F.conv2d",
-                     "F.conv3d", "torch.conv1d", "torch.conv2d", "torch.conv3d"})
-
-
 # Python's in-place operators (x += y traces as operator.iadd): they write their first argument
 _IN_PLACE_OPERATORS = frozenset({"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand",
                                   "ior", "ixor", "ilshift", "irshift", "imatmul"})
