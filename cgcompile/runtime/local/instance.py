@@ -56,7 +56,7 @@ from ..tensors import at_positions, copy_into, flagged_parameter, static_copy, s
 from ..memory.claim import MemoryClaim
 from ..drivers.write_undo import WriteUndo
 from .sources import tag_handout
-from .zero_grads import ZeroGrads
+from .zero_grads import ZeroCopyIn, ZeroGrads
 
 _copy_all = _compat.copy_all
 
@@ -97,14 +97,8 @@ class GraphInstance:
         self.copy_buffers = [inputs[i] for i in self.copied_inputs]
         # the call's arguments at self.copied_inputs, as a sequence, in one C call
         self._copy_sources = at_positions(self.copied_inputs)
-        # a backward's copied-in gradients that may be the frame's shared zeros (zero_grads.py): buffers no output
-        # shares, so nothing but the copy in writes them; per position, (zeros, their version, the buffer's) as
-        # last copied, to skip copying them again
-        outputs = {storage_ptr(t) for t in captured.static_outputs if isinstance(t, torch.Tensor)}
-        self.zero_grads = zero_grads
-        self.zero_positions = [i for i in self.copied_inputs if storage_ptr(inputs[i]) not in outputs] \
-            if zero_grads is not None else []
-        self.zeros_in: Dict[int, Tuple[torch.Tensor, int, int]] = {}
+        # a backward's copy in, which leaves out the frame's shared zeros a buffer holds already (zero_grads.py)
+        self.copy_in_but_zeros = ZeroCopyIn.of(zero_grads, inputs, self.copied_inputs, captured.static_outputs)
         self.tensor_outputs = [j for j, t in enumerate(captured.static_outputs) if isinstance(t, torch.Tensor)]
         self.all_tensors = len(self.tensor_outputs) == len(captured.static_outputs)
         # replay_plain serves it under no_grad: an inference graph whose every input is copied in or read in place,
@@ -282,25 +276,6 @@ class GraphInstance:
         self.replays += 1  # counted in stats() by the caller when it brings its clocks up to date (add_replays)
         return outputs
 
-    def _copy_in_but_zeros(self, args: Sequence[Any]) -> None:
-        """Copy the copied-in arguments into their buffers in one dispatch, but not the shared zeros a buffer
-        holds already (the same tensor, neither it nor the buffer written since: version counters tell)."""
-        inputs, held = self.captured.static_inputs, self.zeros_in
-        if held:
-            pairs = [(inputs[i], args[i]) for i in self.copied_inputs
-                     if not (i in held and held[i][0] is args[i] and held[i][1] == args[i]._version
-                             and held[i][2] == inputs[i]._version)]
-            if pairs:
-                _copy_all([b for b, _ in pairs], [a for _, a in pairs])
-        else:
-            _copy_all(self.copy_buffers, self._copy_sources(args))
-        issued = self.zero_grads.issued
-        for i in self.zero_positions:
-            if issued(args[i]):
-                held[i] = (args[i], args[i]._version, inputs[i]._version)
-            else:
-                held.pop(i, None)
-
     def replay(self, args: Sequence[Any], alias: bool, copied_outputs: Set[int] = frozenset()) -> List[Any]:
         """Run the graph for `args`: outputs handed out as aliases (or, at positions in `copied_outputs`, as
         copies), or
@@ -310,8 +285,8 @@ class GraphInstance:
         if grad:  # copies into our buffers and the aliases handed out carry no autograd history
             _compat.set_grad_enabled(False)
         try:
-            if self.zero_positions:
-                self._copy_in_but_zeros(args)
+            if self.copy_in_but_zeros is not None:
+                self.copy_in_but_zeros(args)
             elif self.copied_inputs:  # one dispatch (a caller passing our own buffer back copies it onto itself)
                 _copy_all(self.copy_buffers, self._copy_sources(args))
             for i in self.expanded_inputs:

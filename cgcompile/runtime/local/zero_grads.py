@@ -15,11 +15,14 @@ version counter moved anyway is never handed out again.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["ZeroGrads", "Layout", "layout_of"]
+from ... import _compat
+from ..tensors import storage_ptr
+
+__all__ = ["ZeroCopyIn", "ZeroGrads", "Layout", "layout_of"]
 
 Layout = Tuple[torch.device, torch.dtype, Tuple[int, ...]]
 
@@ -59,3 +62,40 @@ class ZeroGrads:
         if not self._made:
             return list(args)
         return [torch.zeros_like(a) if self.issued(a) else a for a in args]
+
+
+class ZeroCopyIn:
+    """A backward graph's copy of its copied-in arguments into their buffers, in one dispatch, leaving out the
+    shared zeros a buffer holds already: the same tensor as last copied, and neither it nor the buffer written
+    since (version counters tell). Only buffers no output of the graph shares qualify: nothing but this copy
+    writes them."""
+
+    def __init__(self, zeros: ZeroGrads, buffers: Sequence[torch.Tensor], copied: Sequence[int],
+                 candidates: Sequence[int]):
+        self.zeros, self.buffers, self.copied, self.candidates = zeros, buffers, list(copied), list(candidates)
+        self.held: Dict[int, Tuple[torch.Tensor, int, int]] = {}  # position -> (zeros, their version, buffer's)
+
+    @classmethod
+    def of(cls, zeros: Optional[ZeroGrads], buffers: Sequence[Any], copied: Sequence[int],
+           outputs: Sequence[Any]) -> Optional["ZeroCopyIn"]:
+        """The copy for a graph with these static inputs, copied positions and static outputs; None without
+        `zeros` (not a backward graph) or a buffer that qualifies."""
+        if zeros is None:
+            return None
+        shared = {storage_ptr(t) for t in outputs if isinstance(t, torch.Tensor)}
+        candidates = [i for i in copied if storage_ptr(buffers[i]) not in shared]
+        return cls(zeros, buffers, copied, candidates) if candidates else None
+
+    def __call__(self, args: Sequence[Any]) -> None:
+        buffers, held = self.buffers, self.held
+        pairs = [(buffers[i], args[i]) for i in self.copied
+                 if not (i in held and held[i][0] is args[i] and held[i][1] == args[i]._version
+                         and held[i][2] == buffers[i]._version)]
+        if pairs:
+            _compat.copy_all([b for b, _ in pairs], [a for _, a in pairs])
+        issued = self.zeros.issued
+        for i in self.candidates:
+            if issued(args[i]):
+                held[i] = (args[i], args[i]._version, buffers[i]._version)
+            else:
+                held.pop(i, None)
