@@ -364,21 +364,20 @@ class BackwardFamily(GraphFamily):
 
     def __call__(self, args: list) -> Any:
         part = self.part
-        private = part.runtime.zero_grads.private  # a backward not replayed never reads the shared zeros
         if part.broken is not None or not part.driver.captures:
-            return self.run(private(args))
+            return self.run(args)
         forward = self.entry.forward
         source = _source_of(args, forward)
         if isinstance(source, EagerHandout):
             source.backward_ran()
-            return self._run_warming(source.param_set, private(args))
+            return self._run_warming(source.param_set, args)
         instance = source if source is not None else forward.owner_of(args) if forward is not None else None
         handout = forward.pending_eager_run() if instance is None and forward is not None else None
         if handout is not None:
             handout.backward_ran()
-            return self._run_warming(handout.param_set, private(args))
+            return self._run_warming(handout.param_set, args)
         if instance is None or not instance.alive:
-            return self.run_eagerly(private(args))  # its forward ran eagerly (cap, fallback) or was released
+            return self.run_eagerly(args)  # its forward ran eagerly (cap, fallback) or was released
         instance.backward_ran()
         forward.note_saved(instance, args)
         runtime = self.part.runtime
@@ -387,12 +386,12 @@ class BackwardFamily(GraphFamily):
                 instance.attach_backward(self._capture(instance.param_set, args, instance.param_storages, instance))
             except Exception as exc:
                 self.part.fail(f"capturing its backward graph failed: {type(exc).__name__}: {exc}")
-                return self.run(private(args))
+                return self.run(args)
             runtime.captured_within_budget(self.part)
             if self.part.broken is not None:  # past the budget: its graphs are released, this backward runs eagerly
-                return self.run(private(args))
+                return self.run(args)
         elif not instance.bw.addresses_match(args) or instance.bw.replay_blocker(runtime.memory.pool_blocker):
-            return self.run(private(args))  # e.g. a second backward through the same forward (retain_graph)
+            return self.run(args)  # e.g. a second backward through the same forward (retain_graph)
         bw = instance.bw
         bw.note_grads(self._grads_cleared(instance))
         # An arena's memory is shared with other sizes: hand out aliases, whose lives the arena can see (autograd

@@ -9,25 +9,25 @@ together; a tensor alone in its group is cloned as before.
 
 `_foreach_copy_` has no autograd formula, and a training frame's outputs carry the gradient back into the graphs
 that made them: the copy runs inside one autograd Function whose backward hands each gradient through unchanged,
-as `clone`'s does, and gives an output that got no gradient (the logits beside the loss) the same zeros every
-step (zero_grads.py) where autograd would make new ones.
+as `clone`'s does, and gives an output that got no gradient (the logits beside the loss) zeros made as autograd
+would, but marked, so that a backward graph need not copy them in (zero_grads.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from .zero_grads import ZeroGrads, layout_of
+from .zero_grads import layout_of, zeros_for
 
 __all__ = ["copy_out"]
 
 
-def copy_out(tensors: Sequence[torch.Tensor], zeros: Optional[ZeroGrads] = None) -> List[torch.Tensor]:
+def copy_out(tensors: Sequence[torch.Tensor], zeros: bool = False) -> List[torch.Tensor]:
     """Copies of `tensors` (plain tensors) with their layouts, in one kernel per device and dtype shared by two
-    or more of them; the copies carry autograd history as `clone` would, an output's missing gradient being
-    `zeros`' tensor of its layout where it has one."""
+    or more of them; the copies carry autograd history as `clone` would, with `zeros`, an output's missing
+    gradient given as zeros_for's."""
     groups = _groups(tensors)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return list(_CopiesOut.apply(groups, zeros, *tensors))
@@ -57,11 +57,10 @@ class _CopiesOut(torch.autograd.Function):
     """The grouped copy for outputs that need gradients: forward copies, backward passes each gradient on."""
 
     @staticmethod
-    def forward(ctx: Any, groups: Dict[Tuple[Any, Any], List[int]], zeros: Optional[ZeroGrads],
+    def forward(ctx: Any, groups: Dict[Tuple[Any, Any], List[int]], zeros: bool,
                 *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
-        ctx.zeros = zeros
-        ctx.layouts = [layout_of(t) if t.requires_grad and zeros is not None and t.layout == torch.strided else None
+        ctx.layouts = [layout_of(t) if zeros and t.requires_grad and t.layout == torch.strided else None
                        for t in tensors]
         out = _copies(tensors, groups)
         # an output whose source needs no gradient needs none either (as with `clone`)
@@ -71,6 +70,6 @@ class _CopiesOut(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Tuple[Any, ...]:
         layouts = ctx.layouts
-        passed = [ctx.zeros.like(layouts[i]) if g is None and layouts[i] is not None else g
+        passed = [zeros_for(layouts[i]) if g is None and layouts[i] is not None else g
                   for i, g in enumerate(grads)]
         return (None, None, *passed)  # none for the groups and the zeros

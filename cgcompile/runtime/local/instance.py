@@ -56,7 +56,7 @@ from ..tensors import at_positions, copy_into, flagged_parameter, static_copy, s
 from ..memory.claim import MemoryClaim
 from ..drivers.write_undo import WriteUndo
 from .sources import tag_handout
-from .zero_grads import ZeroCopyIn, ZeroGrads
+from .zero_grads import ZeroCopyIn
 
 _copy_all = _compat.copy_all
 
@@ -79,7 +79,7 @@ class GraphInstance:
 
     def __init__(self, family: Any, partition: str, label: str, kind: str, captured: CapturedGraph, kinds: List[str],
                  param_storages: frozenset, capture_seconds: float, param_set: int, mutated: frozenset = frozenset(),
-                 arena: Optional[OutputArena] = None, zero_grads: Optional[ZeroGrads] = None):
+                 arena: Optional[OutputArena] = None):
         self.family, self.partition, self.label, self.kind, self.param_set = family, partition, label, kind, param_set
         self.captured: Optional[CapturedGraph] = captured
         self.kinds, self.param_storages, self.capture_seconds = kinds, param_storages, capture_seconds
@@ -97,8 +97,9 @@ class GraphInstance:
         self.copy_buffers = [inputs[i] for i in self.copied_inputs]
         # the call's arguments at self.copied_inputs, as a sequence, in one C call
         self._copy_sources = at_positions(self.copied_inputs)
-        # a backward's copy in, which leaves out the frame's shared zeros a buffer holds already (zero_grads.py)
-        self.copy_in_but_zeros = ZeroCopyIn.of(zero_grads, inputs, self.copied_inputs, captured.static_outputs)
+        # a backward's copy in, which leaves out the frame's zeros where a buffer holds zeros already (zero_grads.py)
+        self.copy_in_but_zeros = ZeroCopyIn.of(inputs, self.copied_inputs, captured.static_outputs) \
+            if kind == "backward" else None
         self.tensor_outputs = [j for j, t in enumerate(captured.static_outputs) if isinstance(t, torch.Tensor)]
         self.all_tensors = len(self.tensor_outputs) == len(captured.static_outputs)
         # replay_plain serves it under no_grad: an inference graph whose every input is copied in or read in place,
@@ -425,7 +426,7 @@ def capture_instance(family: Any, partition: str, label: str, kind: str, run: Ca
     captured = driver.capture(fn, inputs, runtime.pool(), warmup=not warmed_up, written=sorted(mutated))
     seconds = time.perf_counter() - start
     graph = GraphInstance(family, partition, label, kind, captured, kinds, param_storages, seconds, param_set, mutated,
-                          arena, runtime.zero_grads if kind == "backward" else None)
+                          arena)
     del inputs, captured
     runtime.register(graph, lenders)
     if arena is not None:

@@ -26,7 +26,6 @@ from .sources import source_of
 from ..memory.registry import MemoryRegistry
 from .budget import GraphBudget, check_after_capture
 from .instance import GraphInstance, memory_of
-from .zero_grads import ZeroGrads
 
 log = logging.getLogger("cgcompile")
 
@@ -51,7 +50,6 @@ class ModelRuntime:
         self.driver: Driver = get_driver(str(config.driver), device)
         self.device = getattr(self.driver, "device", None) or torch.device(device)  # cuda: with its index
         self.memory = MemoryRegistry()
-        self.zero_grads = ZeroGrads()  # the gradient of frame outputs that get none (zero_grads.py)
         self.plan = plan  # the frame's GraphPlan (plan.py): its eager partitions too, for cgcompile.report()
         self.budget = GraphBudget(config, self.driver)  # cuda_graph_memory_budget
         self._pool: Any = None
@@ -99,7 +97,7 @@ class ModelRuntime:
         owned = [j for j, o in enumerate(outputs) if memory.owns(o)]
         fixed = list(outputs)
         plain = [j for j in owned if not _compat.is_wrapper_subclass(outputs[j])]
-        for j, copied in zip(plain, copy_out([outputs[j] for j in plain], self.zero_grads)):  # a kernel per dtype
+        for j, copied in zip(plain, copy_out([outputs[j] for j in plain], zeros=True)):  # a kernel per dtype
             fixed[j] = copied
         for j in set(owned) - set(plain):  # a wrapper subclass (DTensor): its own clone
             fixed[j] = outputs[j].clone()
