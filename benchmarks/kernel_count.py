@@ -166,7 +166,7 @@ def workload(name: str, layers: int = 2) -> Tuple[torch.nn.Module, Callable[[Cal
     if name.startswith("llama-train"):
         from tests.hf.families import build
 
-        model = build("llama").to(torch.bfloat16).train()
+        model = build("llama", layers=layers).to(torch.bfloat16).train()
     elif name == "mixtral-train":
         import hf_moe
 
