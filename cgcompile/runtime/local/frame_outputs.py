@@ -5,7 +5,7 @@ the next replay cannot overwrite what the caller holds. A training frame of a Hu
 the logits, the loss, each layer's key and value tensors. One `clone` each is a kernel each; CUDA copies a list of
 tensors of one dtype in one multi-tensor kernel (`torch._foreach_copy_`, one launch when the destinations have
 the sources' sizes and strides, which `empty_like` gives). So outputs sharing a device and dtype are copied
-together; a tensor alone in its group is cloned as before.
+together; a tensor alone in its group is copied by itself (cloned, where no gradient is wanted).
 
 `_foreach_copy_` has no autograd formula, and a training frame's outputs carry the gradient back into the graphs
 that made them: the copy runs inside one autograd Function whose backward hands each gradient through unchanged,
