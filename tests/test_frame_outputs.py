@@ -52,13 +52,19 @@ class ThreeOutputs(torch.nn.Module):
         return h.sum() + k.pow(2).mean(), k, h
 
 
-def test_a_training_frames_outputs_leave_in_one_copy_and_train_like_eager():
+def three_outputs_compiled():
+    """(model, its eager twin, the model compiled with the emulate driver and one warmup step); stats reset."""
     torch.manual_seed(0)
     model = ThreeOutputs()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="cudagraph_modules",
                              options={"driver": "emulate", "cuda_graph_warmup_steps": 1})
     cgcompile.reset_stats()
+    return model, reference, compiled
+
+
+def test_a_training_frames_outputs_leave_in_one_copy_and_train_like_eager():
+    model, reference, compiled = three_outputs_compiled()
     kept = []
     for step in range(5):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
@@ -117,12 +123,7 @@ def test_outputs_without_a_gradient_get_zeros_the_backward_graph_copies_in_once(
     """The backward of a frame whose loss leaves two outputs without a gradient: their zeros are made (as autograd
     would) but not copied into the backward graph's buffers once those hold zeros; exact against eager, also
     when a step does use an output (a real gradient is copied in), a second backward (run eagerly) and back."""
-    torch.manual_seed(0)
-    model = ThreeOutputs()
-    reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="cudagraph_modules",
-                             options={"driver": "emulate", "cuda_graph_warmup_steps": 1})
-    cgcompile.reset_stats()
+    model, reference, compiled = three_outputs_compiled()
     steps_like_eager(compiled, model, reference, [False] * 4)
     x = torch.randn(4, 8)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:

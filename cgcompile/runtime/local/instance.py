@@ -97,7 +97,7 @@ class GraphInstance:
         self.copy_buffers = [inputs[i] for i in self.copied_inputs]
         # the call's arguments at self.copied_inputs, as a sequence, in one C call
         self._copy_sources = at_positions(self.copied_inputs)
-        # a backward's copy in, which leaves out the frame's zeros where a buffer holds zeros already (zero_grads.py)
+        # a backward's copy in when given the frame's zeros (zero_grads.py)
         self.copy_in_but_zeros = ZeroCopyIn.of(inputs, self.copied_inputs, captured.static_outputs) \
             if kind == "backward" else None
         self.tensor_outputs = [j for j, t in enumerate(captured.static_outputs) if isinstance(t, torch.Tensor)]
@@ -286,9 +286,9 @@ class GraphInstance:
         if grad:  # copies into our buffers and the aliases handed out carry no autograd history
             _compat.set_grad_enabled(False)
         try:
-            if self.copy_in_but_zeros is not None:
-                self.copy_in_but_zeros(args)
-            elif self.copied_inputs:  # one dispatch (a caller passing our own buffer back copies it onto itself)
+            # one dispatch (a caller passing our own buffer back copies it onto itself); a backward given zeros
+            # for an output without a gradient leaves those out where its buffer holds zeros (zero_grads.py)
+            if self.copied_inputs and not (self.copy_in_but_zeros is not None and self.copy_in_but_zeros(args)):
                 _copy_all(self.copy_buffers, self._copy_sources(args))
             for i in self.expanded_inputs:
                 copy_into(self.captured.static_inputs[i], args[i])

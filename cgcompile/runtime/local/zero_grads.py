@@ -46,8 +46,8 @@ def is_made_zeros(t: Any) -> bool:
 
 
 class ZeroCopyIn:
-    """A backward graph's copy of its copied-in arguments into their buffers, in one dispatch, leaving out the
-    zeros (zeros_for) going into a buffer that holds zeros already: the last thing copied into it was such
+    """For a backward graph: its copy of the copied-in arguments into their buffers, in one dispatch, leaving out
+    the zeros (zeros_for) going into a buffer that holds zeros already: the last thing copied into it was such
     zeros, and the buffer was not written since (its version counter tells). Only buffers no output of the graph
     shares qualify: nothing but this copy writes them."""
 
@@ -63,14 +63,17 @@ class ZeroCopyIn:
         candidates = [i for i in copied if storage_ptr(buffers[i]) not in shared]
         return cls(buffers, copied, candidates) if candidates else None
 
-    def __call__(self, args: Sequence[Any]) -> None:
+    def __call__(self, args: Sequence[Any]) -> bool:
+        """Copy `args` in, leaving such zeros out; False (nothing copied) where no argument is such zeros: the
+        caller's plain copy of every argument serves then."""
+        made = [i for i in self.candidates if is_made_zeros(args[i])]
         buffers, zeroed = self.buffers, self.zeroed
+        if not made:
+            zeroed.clear()
+            return False
         pairs = [(buffers[i], args[i]) for i in self.copied
-                 if not (i in zeroed and zeroed[i] == buffers[i]._version and is_made_zeros(args[i]))]
+                 if not (i in made and zeroed.get(i) == buffers[i]._version)]
         if pairs:
             _compat.copy_all([b for b, _ in pairs], [a for _, a in pairs])
-        for i in self.candidates:
-            if is_made_zeros(args[i]):
-                zeroed[i] = buffers[i]._version
-            else:
-                zeroed.pop(i, None)
+        self.zeroed = {i: buffers[i]._version for i in made}
+        return True
