@@ -16,11 +16,16 @@ def test_copies_equal_clones_in_values_layouts_and_gradients():
     base = torch.randn(4, 6, requires_grad=True)
     tensors = [base * 2, (base * 3).t(), base.detach().to(torch.bfloat16), base.sum(), torch.arange(3),
                (base * 4).to(torch.bfloat16)]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         copies = copy_out(tensors)
     names = [e.name for e in prof.events()]
-    assert names.count("aten::_foreach_copy_") == 2  # float32 (3 tensors) and bfloat16 (2); the int64 one alone
-    assert "aten::clone" not in names
+    # one copy of the bits of the five dense ones (float32, bfloat16, the scalar, int64) as int16, which CUDA's
+    # multi-tensor route takes in one kernel (one dtype on each side, equal sizes and strides); the transposed
+    # float32 one, whose last dimension is not contiguous, alone
+    (foreach,) = [e for e in prof.events() if e.name == "aten::_foreach_copy_"]
+    pairs = [c for c in foreach.cpu_children if c.name == "aten::copy_"]
+    assert len(pairs) == 5 and all(c.input_dtypes[:2] == ["short int", "short int"] for c in pairs)
+    assert names.count("aten::copy_") == 6 and "aten::clone" not in names
     for t, c in zip(tensors, copies):
         assert torch.equal(t, c) and c.stride() == t.stride() and c.data_ptr() != t.data_ptr()
         assert c.requires_grad == t.requires_grad
@@ -32,8 +37,19 @@ def test_copies_equal_clones_in_values_layouts_and_gradients():
     torch.testing.assert_close(grads, want, rtol=0, atol=0)
 
 
+def test_a_copy_of_mixed_dtypes_moves_bits_exactly():
+    special = torch.tensor([float("nan"), -0.0, float("inf"), 1e-45])  # a NaN, a negative zero, a subnormal
+    tensors = [special, special.to(torch.bfloat16), torch.tensor(True), torch.tensor([-1, 2**40]),
+               torch.tensor(-7, dtype=torch.int8)]
+    copies = copy_out(tensors)
+    for t, c in zip(tensors, copies):
+        assert c.dtype == t.dtype and c.shape == t.shape and c.data_ptr() != t.data_ptr()
+        assert torch.equal(c.view(1).view(torch.uint8) if c.dim() == 0 else c.view(torch.uint8),
+                           t.view(1).view(torch.uint8) if t.dim() == 0 else t.view(torch.uint8))
+
+
 def test_lone_tensors_of_their_dtype_are_cloned():
-    tensors = [torch.randn(3), torch.arange(2)]
+    tensors = [torch.randn(3), torch.arange(4)[::2]]  # the int64 one has gaps: no view of its bits joins a copy
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         copies = copy_out(tensors)
     names = [e.name for e in prof.events()]

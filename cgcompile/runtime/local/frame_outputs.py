@@ -7,6 +7,11 @@ tensors of one dtype in one multi-tensor kernel (`torch._foreach_copy_`, one lau
 the sources' sizes and strides, which `empty_like` gives). So outputs sharing a device and dtype are copied
 together; a tensor alone in its group is copied by itself (cloned, where no gradient is wanted).
 
+A copy moves bits, so outputs of different dtypes (the bf16 logits beside the fp32 loss) need not cost a kernel
+each: every dense output whose last dimension is contiguous (or a scalar) is copied as integers of the smallest
+element size among them (`Tensor.view(dtype)` reinterprets, exactly, NaN payloads included), in one kernel.
+Outputs of one dtype keep their own (no view: a wide type copies wide).
+
 `_foreach_copy_` has no autograd formula, and a training frame's outputs carry the gradient back into the graphs
 that made them: the copy runs inside one autograd Function whose backward hands each gradient through unchanged,
 as `clone`'s does, and gives an output that got no gradient (the logits beside the loss) zeros made as autograd
@@ -36,20 +41,58 @@ def copy_out(tensors: Sequence[torch.Tensor], zeros: bool = False) -> List[torch
     return _copies(tensors, groups)
 
 
+# the integer dtype a copy of mixed dtypes runs in, by element size
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _groups(tensors: Sequence[torch.Tensor]) -> Dict[Tuple[Any, Any], List[int]]:
+    """Indices of `tensors` copied together, by (device, the dtype the copy runs in)."""
     groups: Dict[Tuple[Any, Any], List[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
-    return groups
+    by_device: Dict[Any, List[int]] = {}
+    for i, t in enumerate(tensors):
+        if _viewable(t):
+            by_device.setdefault(t.device, []).append(i)
+    for device, members in by_device.items():
+        if len({tensors[i].dtype for i in members}) > 1:  # several dtypes: one copy of their bits
+            for i in members:
+                groups[(device, tensors[i].dtype)].remove(i)
+            bits = _BITS[min(tensors[i].element_size() for i in members)]
+            groups.setdefault((device, bits), []).extend(members)
+    return {key: members for key, members in groups.items() if members}
+
+
+def _viewable(t: torch.Tensor) -> bool:
+    """Can `t` and its `empty_like` be viewed as integers of a smaller element size, with equal strides?"""
+    return (t.layout == torch.strided and not t.is_complex() and not t.is_quantized and t.element_size() in _BITS
+            and (t.dim() == 0 or t.stride(-1) == 1) and _dense(t))
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Are `t`'s elements one block without gaps or overlaps (so `empty_like` keeps its strides)?"""
+    expected = 1
+    for size, stride in sorted((p for p in zip(t.shape, t.stride()) if p[0] != 1), key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return t.numel() > 0
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t`'s memory as `dtype` (a scalar as one element)."""
+    if t.dtype == dtype:
+        return t
+    return (t.view(1) if t.dim() == 0 else t).view(dtype)
 
 
 def _copies(tensors: Sequence[torch.Tensor], groups: Dict[Tuple[Any, Any], List[int]]) -> List[torch.Tensor]:
     out = [torch.empty_like(t) for t in tensors]  # preserve_format: the source's strides where it is dense
-    for members in groups.values():
+    for (_, dtype), members in groups.items():
         if len(members) == 1:
             out[members[0]].copy_(tensors[members[0]])
         else:
-            torch._foreach_copy_([out[i] for i in members], [tensors[i] for i in members])
+            torch._foreach_copy_([_as(out[i], dtype) for i in members], [_as(tensors[i], dtype) for i in members])
     return out
 
 
