@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import re
 import threading
+import types
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch.fx as fx
@@ -155,7 +156,8 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
                                         skip=config.cuda_graph_warmup_steps)
         if wrapped is not submod:
             replace_submodule(split_gm, name, wrapped)
-    forward = call_directly(split_gm)
+    # outputs leave the frame copied out of graph memory (ModelRuntime.finish_frame_outputs; clone_outputs)
+    forward = call_directly(split_gm, finish=runtime.finish_frame_outputs if config.clone_outputs else None)
     # FSDP2 parameters that captured partitions read keep their address (runtime/frame/fsdp.py); None otherwise
     keeper = keeper_for(gm, example_inputs, frozenset(n for p in captured for n in p.nodes),
                         f"graph {graph_plan.index}")
@@ -163,8 +165,10 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
     def run(*args: Any) -> Any:
         if keeper is not None:
             keeper.keep(args)
-        return runtime.finish_frame_outputs(forward(*args))
+        return forward(*args)
 
+    if keeper is None and isinstance(forward, types.FunctionType):  # nothing to add: the frame calls it itself
+        run = forward
     run.runtime = runtime  # type: ignore[attr-defined]  # for tests and tools
     if graph_plan.batch_boundary is not None:
         return BatchPadding(graph_plan.batch_boundary, run, gm.forward, config.capture_sizes,

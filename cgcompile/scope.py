@@ -113,31 +113,37 @@ class ScopedFrame:
         self._module = weakref.ref(module) if module is not None else None
         self._token: Tuple[int, int] = (-1, -1)  # (generation, id of the probed tensor) of the last look-up
         self._scope = LayerScope.PARTIAL
+        self._current: Optional[Callable[..., Any]] = None  # the frame that look-up found
 
     def prepare(self, args: Sequence[Any]) -> None:
         """Compile the scope these inputs run in now (at Dynamo's compile, so its errors surface there)."""
         self._frame_for(args)
 
     def __call__(self, *args: Any) -> Any:
+        probe = self._probe  # the last look-up's frame while its token holds (every step: one comparison)
+        if (_SCOPES.generation, id(args[probe]) if probe is not None else 0) == self._token:
+            return self._current(*args)
         return self._frame_for(args)(*args)
 
     def _frame_for(self, args: Sequence[Any]) -> Callable[..., Any]:
         probe = args[self._probe] if self._probe is not None else None
-        token = (_SCOPES.generation, id(probe))
+        token = (_SCOPES.generation, id(probe) if probe is not None else 0)
+        scope = self._scope
         if token != self._token:
-            self._token = token
             if probe is not None:
-                self._scope = _SCOPES.of(probe)
+                scope = _SCOPES.of(probe)
             else:
                 module = self._module() if self._module is not None else None
-                self._scope = scope_of(module) if module is not None else LayerScope.PARTIAL
-        frame = self._frames.get(self._scope)
+                scope = scope_of(module) if module is not None else LayerScope.PARTIAL
+        frame = self._frames.get(scope)
         if frame is None:
             if self._frames:
                 log.info("cgcompile: capture scope %r reached a compiled graph for the first time: planning it for "
                          "that scope from Dynamo's trace (no new trace); the graphs of scope %s stay for when it "
-                         "comes back", self._scope.value, " and ".join(repr(s.value) for s in self._frames))
-            frame = self._frames[self._scope] = self._build(self._scope, args)
+                         "comes back", scope.value, " and ".join(repr(s.value) for s in self._frames))
+            frame = self._frames[scope] = self._build(scope, args)
+        # kept only once the frame exists (a build that raised is tried again at the next call)
+        self._token, self._scope, self._current = token, scope, frame
         return frame
 
     @property

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -85,22 +85,37 @@ def plain_forward(gm: fx.GraphModule) -> Callable[..., Any]:
     return gm.forward
 
 
-def call_directly(split_gm: fx.GraphModule) -> Callable[..., Any]:
+def call_directly(split_gm: fx.GraphModule, finish: Optional[Callable[[Any], Any]] = None) -> Callable[..., Any]:
     """The split graph's forward with every submodule still in it (its eager partitions) called through its plain
     generated forward, a plain attribute: per step, no nn.Module.__call__ (hooks, the lazy stub) per partition.
     A split graph that is one call of one partition (a frame captured whole, e.g. inference scope block) is that
-    call alone (`single_call`)."""
+    call alone (`single_call`). With `finish`, what the frame does with its outputs as they leave it, the result
+    is finished: by the partition itself where it can (single_call), else by `finish`."""
     for name, submod in list(split_gm.named_children()):
         if isinstance(submod, fx.GraphModule):
             replace_submodule(split_gm, name, plain_forward(submod))
-    return single_call(split_gm) or plain_forward(split_gm)
+    direct = single_call(split_gm, finished=finish is not None)
+    if direct is not None:
+        forward, done = direct
+        if done or finish is None:
+            return forward
+    else:
+        forward = plain_forward(split_gm)
+    if finish is None:
+        return forward
+
+    def finished(*args: Any) -> Any:
+        return finish(forward(*args))
+    return finished
 
 
-def single_call(split_gm: fx.GraphModule) -> Optional[Callable[..., Any]]:
+def single_call(split_gm: fx.GraphModule, finished: bool = False) -> Optional[Tuple[Callable[..., Any], bool]]:
     """For a split graph whose only work is one call of one partition, fed straight by the frame's arguments and
     returned whole or by its items: a function doing just that, or None for any other graph. The generated
     forward would rename each argument, pass them on and clear each name again: per step, three bytecodes per
-    argument (a frame of a decoder block passes every parameter), where picking them costs one C call."""
+    argument (a frame of a decoder block passes every parameter), where picking them costs one C call.
+    Returned with whether the function also finishes the frame's outputs: asked to (`finished`), a partition
+    returned whole that hands its result out itself as it leaves the frame (`leaving`: a PartitionRunner) does."""
     nodes = list(split_gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     calls = [n for n in nodes if n.op == "call_module"]
@@ -124,14 +139,20 @@ def single_call(split_gm: fx.GraphModule) -> Optional[Callable[..., Any]]:
         def pick(args: tuple) -> tuple:
             return tuple([args[i] for i in order])
     if items == [None]:
+        leaving = getattr(partition, "leaving", None) if finished else None
+        if leaving is not None:  # the partition hands its result out as it leaves the frame (a PartitionRunner)
+            def whole_leaving(*args: Any) -> tuple:
+                return leaving(pick(args))
+            return whole_leaving, True
+
         def whole(*args: Any) -> tuple:
             return (partition(*pick(args)),)
-        return whole
+        return whole, False
 
     def by_items(*args: Any) -> tuple:
         out = partition(*pick(args))
         return tuple([out[i] for i in items])
-    return by_items
+    return by_items, False
 
 
 def _is_item_of(node: Any, call: fx.Node) -> bool:

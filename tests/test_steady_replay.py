@@ -64,7 +64,8 @@ def partition_calls(fn) -> list:
                 stack.pop()
             return
         outer = next((kind for kind in reversed(stack) if kind), "")
-        if code.co_name == "__call__" and code.co_filename.endswith("runtime/local/runner.py") and outer != "partition":
+        if code.co_name in ("__call__", "leaving") and code.co_filename.endswith("runtime/local/runner.py") \
+                and outer != "partition":
             stack.append("partition")
             calls.append([code.co_name])
         elif code.co_filename.endswith("runtime/drivers/emulate.py") and outer == "partition":
@@ -95,22 +96,26 @@ def test_a_steady_decode_step_replays_each_partition_through_the_short_path(scop
     assert steady == len(calls) == 4 * partitions  # every partition call replayed a graph captured earlier
     # what a replay runs in Python: the call, the memory claim, the pool rule, the replay, the pool rule's note;
     # the pool rule also finds the graphs after it free once a step (the previous step's layers: held); the
-    # replays are counted on the bank policy's clocks and in stats() in a batch (_catch_up), at a record's first
+    # replays are counted on the bank policy's clocks and in stats() in a batch (catch_up), at a record's first
     # replay and when the policy is due: a sweep of a layer's graphs once per RELEASE_WINDOW of its calls
     # (replay_blocker is the one rule the full path calls too)
-    core = ["__call__", "replay_blocker", "take", "pool_blocker", "replay_plain", "mark_in_flight"]  # (take:
+    # (block scope: the frame is the one partition call, whose output leaves the frame copied straight out of the
+    # graph's memory: PartitionRunner.leaving, replay_plain's copy_out; nothing is handed out of its memory, so
+    # its claim is free again at once: handed_nothing)
+    core = ["leaving" if scope == "block" else "__call__", "find", "replay_blocker", "take", "pool_blocker",
+            "replay_plain", "after_replay", "mark_in_flight"]  # (take:
     # _referenced unless the
     # pool rule found the graph free already)
-    settle = {"_catch_up", "_count", "add_replays", "steady_replays", "size_seen", "after_call", "sweep",
+    settle = {"catch_up", "_count", "add_replays", "steady_replays", "size_seen", "after_call", "sweep",
               "cycle", "is_stale", "release"}
     for names in calls:
         remaining = iter(names)
         assert all(name in remaining for name in core), names  # in this order, others between them
-        assert set(names) - set(core) <= {"held", "_referenced"} | settle, names
+        assert set(names) - set(core) <= {"held", "_referenced", "handed_nothing"} | settle, names
         assert names.count("replay_plain") == names.count("take") == 1, names
     held_checks = sum(name == "held" for names in calls for name in names)
     assert held_checks <= 2 * len(calls)  # graph.held and its claim's, at most once per graph and step
-    settles = sum(name == "_catch_up" for names in calls for name in names)
+    settles = sum(name == "catch_up" for names in calls for name in names)
     assert settles <= partitions + len(calls) // 8, settles  # each record's first, then once per window at most
     assert sum(name == "after_call" for names in calls for name in names) <= len(calls) // 8
 
@@ -130,7 +135,7 @@ def test_inductor_inner_compiler_replays_through_the_same_short_path_as_eager():
             kv_gpt.generate(step, model, prompt, 12)  # warmup (3), capture, replays until the policy judged them
             per_inner[inner] = partition_calls(lambda: kv_gpt.generate(step, model, prompt, 4))
     assert per_inner["inductor"] == per_inner["eager"]
-    assert all("replay_plain" in names for names in per_inner["inductor"])
+    assert all(names[0] == "leaving" and "replay_plain" in names for names in per_inner["inductor"])  # block scope
 
 
 def test_a_steady_step_calls_the_split_graph_and_its_eager_parts_through_their_generated_forward():
@@ -158,26 +163,32 @@ def test_a_steady_step_calls_the_split_graph_and_its_eager_parts_through_their_g
 def test_a_frame_captured_whole_calls_its_partition_without_the_split_graphs_forward():
     """Issue 36, the lean step: in block scope the split graph is one call of the one partition, and its generated
     forward only renamed, passed on and cleared the block's hundred-odd arguments: the frame now calls the
-    partition straight from its own function (split.single_call), nothing in between."""
+    partition straight from its own function (split.single_call), nothing in between; and the partition, whose
+    result is the frame's output, hands it out copied out of graph memory itself (PartitionRunner.leaving): the
+    frame's own function is that call, with no pass over its outputs after it (finish_frame_outputs)."""
     model, reference, step = decode("block", layers=3)
     (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
     run(step, model, reference, prompt, 6)
     chain: list = []
+    finished: list = []
 
     def profile(frame, event, arg):
         if event != "call":
             return
         code = frame.f_code
-        if code.co_filename.endswith("cgcompile/backend.py") and code.co_name == "run":
-            chain.append("run")
+        if code.co_name == "finish_frame_outputs":
+            finished.append(code.co_name)
+        if code.co_filename.endswith("cgcompile/scope.py") and code.co_name == "__call__":
+            chain.append("frame")
         elif chain and chain[-1] != "partition":
-            if code.co_filename.endswith("runtime/local/runner.py") and code.co_name == "__call__":
+            if code.co_filename.endswith("runtime/local/runner.py") and code.co_name == "leaving":
                 chain.append("partition")
             else:
                 chain.append(code.co_name)
 
     one_profiled_step(step, model, prompt, profile)
-    assert chain == ["run", "whole", "partition"], chain
+    assert chain == ["frame", "whole_leaving", "partition"], chain  # the scope looked up in the frame's own call
+    assert finished == []
 
 
 @pytest.mark.parametrize("scope", ["layer", "block"])
@@ -220,13 +231,13 @@ def test_caches_made_under_inference_mode_have_no_version_and_decode_replays():
     assert st["eager_fallbacks"] == [] and st["steady_replays"] == 8 - 4  # all but warmup (3) and capture
 
 
-def test_outputs_a_caller_keeps_are_handed_out_as_copies_by_the_steady_path():
-    """A caller keeping every output (clone_outputs=False: the frame hands out the partition's output itself): the
-    warmup runs show the output still referenced at the next call, so from the capture on that position is handed
-    out as a copy, and the steady path replays the one graph with that copy (the full replay, not the plain one),
-    never overwriting what the caller keeps."""
+def keep_every_output(options, copied_outputs):
+    """A small inference model compiled with `options` (emulate driver), called 10 times by a caller keeping
+    every output: each kept output equals eager's, one graph served every call after warmup (3) and capture, and
+    `copied_outputs` positions were handed out as copies. Returns the outputs and the cgcompile functions the last
+    call ran in its partition (partition_calls)."""
     model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 6)).eval()
-    compiled = torch.compile(model, backend="cudagraph_modules", options={"driver": "emulate", "clone_outputs": False})
+    compiled = torch.compile(model, backend="cudagraph_modules", options={"driver": "emulate", **options})
     inputs = [torch.randn(5, 6, generator=torch.Generator().manual_seed(i)) for i in range(10)]
     with torch.no_grad():
         kept = [compiled(x) for x in inputs[:-1]]
@@ -235,12 +246,21 @@ def test_outputs_a_caller_keeps_are_handed_out_as_copies_by_the_steady_path():
     for got, expected in zip(kept, want):
         assert torch.equal(got, expected)
     (row,) = cgcompile.stats()["partitions"]
-    assert row["copied_outputs"] == 1 and row["captures"] == 1
+    assert row["copied_outputs"] == copied_outputs and row["captures"] == 1
     (graph,) = cgcompile.stats()["graphs"]
     assert graph["steady_replays"] == len(kept) - 4  # all but the three warmup calls and the capture call
     (names,) = calls
-    assert names == ["__call__", "replay_blocker", "take", "_referenced", "pool_blocker", "replay", "replayed",
-                     "add_replays", "mark_in_flight"], names
+    return kept, names
+
+
+def test_outputs_a_caller_keeps_are_handed_out_as_copies_by_the_steady_path():
+    """A caller keeping every output (clone_outputs=False: the frame hands out the partition's output itself): the
+    warmup runs show the output still referenced at the next call, so from the capture on that position is handed
+    out as a copy, and the steady path replays the one graph with that copy (the full replay, not the plain one),
+    never overwriting what the caller keeps."""
+    kept, names = keep_every_output({"clone_outputs": False}, copied_outputs=1)
+    assert names == ["__call__", "find", "replay_blocker", "take", "_referenced", "pool_blocker", "replay",
+                     "replayed", "add_replays", "after_replay", "mark_in_flight"], names
 
 
 def test_a_parameter_moved_between_steady_replays_is_captured_again():
@@ -280,7 +300,7 @@ def test_after_release_the_steady_path_warms_up_and_captures_again():
 
 
 def test_stats_count_every_steady_replay_whenever_they_are_read():
-    """Steady replays are put on the bank policy's clocks and in stats() in batches (PartitionRunner._catch_up):
+    """Steady replays are put on the bank policy's clocks and in stats() in batches (SteadyReplays.catch_up):
     stats() and reset_stats() read between two batches see each replay counted once, and nothing left over."""
     model, reference, step = decode("block")
     (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
@@ -365,8 +385,8 @@ def test_reading_stats_counts_pending_replays_without_running_the_bank_policy(mo
     model, reference, step = decode("block")
     (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
     run(step, model, reference, prompt, 8)
-    (runner,) = [r for rt in cgcompile_runtimes() for r in rt.runners() if r._steady]
-    for record in runner._steady.values():
+    (runner,) = [r for rt in cgcompile_runtimes() for r in rt.runners() if r.steady.records]
+    for record in runner.steady.records.values():
         record.quiet = 10 ** 9  # as if a reader came at the replay where a sweep is due, before it settled
     for _ in range(4):
         run(step, model, reference, prompt, 8)  # 32 replays pending: past the next sweep (RELEASE_WINDOW = 16)
@@ -375,3 +395,14 @@ def test_reading_stats_counts_pending_replays_without_running_the_bank_policy(mo
     before = cgcompile.stats()["steady_replays"]
     cgcompile.reset_stats()
     assert before >= 32 and policy_runs == []
+
+
+def test_a_frame_that_is_one_graph_hands_its_output_out_as_a_copy_without_an_alias():
+    """clone_outputs (the default): a frame whose one output is its one graph's output gets it copied straight out
+    of graph memory by the steady replay (PartitionRunner.leaving), not an alias then cloned by the frame. A caller
+    keeping every output holds no graph memory: one graph serves every call, each kept output keeps its own call's
+    values, and no two share memory."""
+    kept, names = keep_every_output({}, copied_outputs=0)
+    assert names[0] == "leaving" and "replay_plain" in names and "finish_frame_outputs" not in names, names
+    # every output in memory of its own (an alias of the graph's output would share its one fixed address)
+    assert len({t.data_ptr() for t in kept}) == len(kept)

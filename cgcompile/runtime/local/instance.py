@@ -121,8 +121,7 @@ class GraphInstance:
     # memory registry (runtime/memory/registry.py) -------------------------------------------------------
 
     def claim_owned(self) -> List[int]:
-        """Claim the storages this graph owns (owned_storages), with use-count baselines taken by settle(): their
-        addresses, for the registry."""
+        """Claim the storages this graph owns (owned_storages; baselines: settle()): their addresses."""
         found = owned_storages(self)
         for ptr, handle, reachable in found:
             self.claim.own(ptr, handle, reachable)
@@ -193,8 +192,7 @@ class GraphInstance:
 
     @property
     def steal(self) -> bool:
-        """Backward: hand out aliases that AccumulateGrad may keep as param.grad (grads seen cleared twice, and
-        never seen kept)."""
+        """Backward: hand out aliases AccumulateGrad may keep as .grad (grads seen cleared twice, never kept)."""
         return self.cleared_streak >= 2 and not self.grads_kept
 
     def held_by_itself(self) -> bool:
@@ -266,16 +264,19 @@ class GraphInstance:
         self.in_backward_pass = True
         _compat.at_backward_end(ended)
 
-    def replay_plain(self, args: Sequence[Any]) -> List[Any]:
+    def replay_plain(self, args: Sequence[Any], copy_out: bool = False) -> List[Any]:
         """replay(args, alias=True) for a `plain` graph with no output handed out as a copy, whose memory claim the
-        caller has just taken (replay_blocker): the steady inference replay (runtime/local/runner.py) without the
-        branches it never takes."""
+        caller has just taken (replay_blocker): the steady inference replay (runtime/local/steady.py) without the
+        branches it never takes. `copy_out`: its one output, in its memory, leaves the frame at once, copied
+        (PartitionRunner.leaving): no alias made only to be cloned, and nothing of this memory handed out."""
         if self.copied_inputs:  # one dispatch (a caller passing our own buffer back copies it onto itself: a no-op)
             _copy_all(self.copy_buffers, self._copy_sources(args))
         static = self.captured.replay()  # held while an alias lives: use counts tell
-        outputs = [static[0].detach()] if len(static) == 1 else [out.detach() for out in static]
         self.replays += 1  # counted in stats() by the caller when it brings its clocks up to date (add_replays)
-        return outputs
+        if copy_out:
+            self.claim.handed_nothing()
+            return [static[0].clone()]
+        return [static[0].detach()] if len(static) == 1 else [out.detach() for out in static]
 
     def replay(self, args: Sequence[Any], alias: bool, copied_outputs: Set[int] = frozenset()) -> List[Any]:
         """Run the graph for `args`: outputs handed out as aliases (or, at positions in `copied_outputs`, as

@@ -28,64 +28,30 @@ partition falls back with that reason.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import torch
 import torch.fx as fx
 
-from ... import _compat
-from ...counters import add_replays, record
+from ...counters import record
 from ..bank import policy as bank_policy
 from ..bank.key import BankKey, ParamSetIdentity
-from ..bank.ledger import BankLedger, ParamSetState, Usage
+from ..bank.ledger import BankLedger
 from ..drivers.base import Driver
 from ..memory.arena_sizing import ArenaSizing
 from .benefit import BenefitProbe
 from .call import PartitionCall
-from .family import BankEntry, GraphFamily
+from .family import BankEntry
 from .inputs import PartitionInputs
 from .instance import GraphInstance
 from .model_runtime import ModelRuntime
 from .releaser import GraphReleaser
+from .steady import SteadyReplays
 
 __all__ = ["PartitionRunner"]
 
-# the mode reads of the steady replay's key check, bound once
-_is_grad_enabled, _is_inference_mode_enabled, _any_autocast = (torch.is_grad_enabled, torch.is_inference_mode_enabled,
-                                                              _compat.any_autocast)
-_increment_versions = _compat.increment_versions
-
 log = logging.getLogger("cgcompile")
-
-
-@dataclasses.dataclass(slots=True)
-class _SteadyReplay:
-    """What a parameter set's steady inference replay needs, from the last direct call that replayed a graph."""
-
-    bank_key: tuple  # the bank key of that call
-    modes_only: bool  # the key is its grad and inference modes alone, autocast off (no input metadata in it)
-    grad: bool  # those modes
-    inference: bool
-    graph: GraphInstance
-    family: GraphFamily  # its family: the output positions it hands out as copies (copied_outputs)
-    plain: bool  # a plain graph (instance.py) replayed under no_grad: replay_plain serves it while no output is copied
-    bumped: Optional[Callable[[Sequence[Any]], tuple]]  # the arguments whose versions a call bumps
-    state: ParamSetState
-    usage: Usage
-    # bound once, as the call reads them (each lookup on the way there is host time on every replay)
-    addresses_match: Callable[[Sequence[Any]], bool]  # graph.addresses_match
-    replay_blocker: Callable[[Callable[[GraphInstance], Optional[GraphInstance]]], Optional[GraphInstance]]
-    pool_blocker: Callable[[GraphInstance], Optional[GraphInstance]]  # the runtime's
-    mark_in_flight: Callable[[GraphInstance], None]  # the runtime's
-    replay_plain: Callable[[Sequence[Any]], List[Any]]  # graph.replay_plain
-    # Its replays not yet on the ledger's clocks and in stats(), and how many may wait before the policy is due
-    # (_catch_up): counting a steady replay is one increment; the clocks are brought up to date where they are read.
-    pending: int = 0
-    quiet: int = 0
-    counted: int = 0  # of the pending, those already in stats()' replay counts (not plain: replay() counts its own)
 
 
 class PartitionRunner:
@@ -120,7 +86,8 @@ class PartitionRunner:
         self.arenas = ArenaSizing(name, self.config.capture_sizes, batch_at, self.inputs.param_set_number)
         self.ledger = BankLedger(self.config.cuda_graph_warmup_steps, self.config.max_graphs_per_partition)
         self.releaser = GraphReleaser(name, self.describe, self.bank, self.ledger, runtime)  # acts on its decisions
-        self._steady: Dict[int, _SteadyReplay] = {}  # per parameter set, the graph its last direct call replayed
+        # per parameter set, the graph its last direct call replayed, replayed again from there (steady.py)
+        self.steady = SteadyReplays(self.keys, self.param_sets, self.ledger, self.releaser, runtime)
         self.benefit = BenefitProbe(name, self.describe, self.config, driver, self.inputs.static_storages)
         runtime.add_runner(self)
 
@@ -128,37 +95,37 @@ class PartitionRunner:
 
     def __call__(self, *args: Any) -> Any:
         """A call. The steady inference replay is flattened here (its host work is the product's cost per replay):
-        the graph a parameter set replayed at its last direct call (`_SteadyReplay`, made by replayed()), replayed
-        again for the same bank key when the one replay rule (GraphInstance.replay_blocker) allows it, counted by
-        _catch_up. Every other case, and a failed partition, takes _call (runtime/local/family.py decides)."""
-        steady = self._steady
-        if steady:
-            index = self.param_sets.index
-            record = steady.get(0 if index is None else id(args[index]))
-            if record is not None and (
-                    _is_grad_enabled() is record.grad and _is_inference_mode_enabled() is record.inference
-                    and not _any_autocast() if record.modes_only else self.keys.of(args) == record.bank_key) \
-                    and record.addresses_match(args) and not self.runtime.dead \
-                    and record.replay_blocker(record.pool_blocker) is None:
-                graph = record.graph
-                copied = record.family.copied_outputs
-                if record.plain and not copied:
-                    out = record.replay_plain(args)
-                else:
-                    out = graph.replay(args, True, copied)
-                    record.counted += 1  # in stats() by replay() itself
-                record.mark_in_flight(graph)
-                record.pending += 1  # counted on the ledger's clocks by _catch_up, before anything reads them
-                if record.pending >= record.quiet:
-                    self._catch_up(record)
-                if record.bumped is not None:
-                    _increment_versions(record.bumped(args))
-                return out[0] if self.container is None else self.container(out)
-        return self._call(args)
+        the graph a parameter set replayed at its last direct call, replayed again from its record (steady.py).
+        Every other case, and a failed partition, takes _call (runtime/local/family.py decides)."""
+        steady = self.steady
+        record = steady.find(args) if steady.records else None
+        if record is None:
+            return self._call(args)
+        copied = record.family.copied_outputs
+        if record.plain and not copied:
+            out = record.replay_plain(args)
+        else:
+            out = record.graph.replay(args, True, copied)
+            record.counted += 1  # in stats() by replay() itself
+        steady.after_replay(record, args)
+        return out[0] if self.container is None else self.container(out)
+
+    def leaving(self, args: tuple) -> tuple:
+        """A call whose result is at once the frame's only output (a frame that is this one call, split.single_call):
+        what `runtime.finish_frame_outputs((self(*args),))` returns. A steady replay of a plain graph copies its
+        output straight out of its memory (the frame would copy the alias it was handed at once), so nothing
+        handed out holds the graph and no alias is made to be dropped."""
+        steady = self.steady
+        record = steady.find(args) if steady.records else None
+        if record is None or not record.copy_out or record.family.copied_outputs:
+            return self.runtime.finish_frame_outputs((self(*args),))
+        out = record.replay_plain(args, True)
+        steady.after_replay(record, args)
+        return (out[0],)
 
     def _call(self, args: tuple) -> Any:
-        if self._steady:
-            self.count_pending()
+        if self.steady.records:
+            self.steady.count_pending()
         if self.benefit.meter.open and self.broken is None:  # measured in full: does a replay pay?
             self.fail(self.benefit.settle(max(1, len(self.ledger.param_sets))))
         if self.broken is not None:
@@ -213,7 +180,7 @@ class PartitionRunner:
         """A new parameter set arrived: the sets whose identity died leave the ledger; True when the partition
         falls back for good, its warmup never ending (BankLedger.set_gone)."""
         for param_set in self.param_sets.gone():
-            self._steady.pop(param_set, None)
+            self.steady.forget(param_set)
             reason = self.ledger.set_gone(param_set)
             if reason is not None:
                 self.fail(f"{reason} (the identity is {self.param_sets.describe(args)}; e.g. a tensor flagged as a "
@@ -226,7 +193,7 @@ class PartitionRunner:
     def bank_counters(self) -> bank_policy.BankCounters:
         """The graph-bank accounting, up to date (stats()): steady replays still pending are counted first (this
         runs no policy: a record catches up at the replay where the policy becomes due)."""
-        self.count_pending()
+        self.steady.count_pending()
         return self.ledger.counters
 
     @property
@@ -237,36 +204,9 @@ class PartitionRunner:
     def bank_size(self) -> int:  # how many input signatures (graph-bank keys) have a compiled entry now
         return len(self.bank)
 
-    def _catch_up(self, record: _SteadyReplay) -> None:
-        """At a steady replay: count the pending ones (_count), run the policy if it is due, set how many replays
-        may wait before it is due again (a graph awaiting judgement: none; else until the next sweep; sizes are
-        judged only on the full path, which counts first)."""
-        state = record.state
-        if self._count(record) and (state.unjudged or state.calls >= state.next_sweep):
-            self.releaser.after_call(record.graph.param_set)
-        record.quiet = 1 if state.unjudged else state.next_sweep - state.calls
-
-    def _count(self, record: _SteadyReplay) -> int:
-        """Put a record's pending replays on the ledger's clocks and in stats(), as each would have been counted;
-        how many. It runs no policy: a count between replays finds none due (pending < quiet)."""
-        calls, record.pending = record.pending, 0
-        if calls:
-            plain, record.counted = calls - record.counted, 0
-            add_replays(plain, plain)  # each a steady one: the record was made at a replay after the capture
-            self.ledger.steady_replays(record.state, record.usage, record.bank_key, calls)
-        return calls
-
-    def count_pending(self) -> None:
-        """Bring the clocks and counters up to date before the full path or a reader (stats(), release, a failure,
-        the model's end) uses them; each record catches up again at its next replay, as what the caller does next
-        may change when the policy is due. Only counts: the policy runs at replays, in the thread that replays."""
-        for steady in list(self._steady.values()):
-            self._count(steady)
-            steady.quiet = 0
-
     def __del__(self) -> None:  # the model went: its last steady replays still count in stats()
         with contextlib.suppress(Exception):  # at interpreter exit the modules may be gone already
-            self.count_pending()
+            self.steady.count_pending()
 
     # what the graph families report (runtime/local/family.py) -------------------------------------------------
 
@@ -282,14 +222,7 @@ class PartitionRunner:
         if usage is not None and call is not None and call.direct and graph.kind == "inference" \
                 and self.param_sets.by_object and not self.benefit.meter.open:  # found by the object's identity;
             # while timing, every call takes the full path (a steady replay is never timed)
-            bank_key = call.bank_key
-            modes_only = not self.keys.dynamic and not any(bank_key[2:4])
-            runtime = self.runtime
-            self._steady[graph.param_set] = _SteadyReplay(
-                bank_key, modes_only, bank_key[0], bank_key[1], graph, graph.family,
-                graph.plain and modes_only and not bank_key[0], call.entry.bumped,
-                self.ledger.state(graph.param_set), usage, graph.addresses_match, graph.replay_blocker,
-                runtime.memory.pool_blocker, runtime.memory.mark_in_flight, graph.replay_plain)
+            self.steady.remember(graph, call.bank_key, call.entry.bumped, usage, self.container is None)
         self.runtime.mark_in_flight(graph)
 
     def captured(self, graph: GraphInstance, streak: int = 0) -> None:
@@ -328,8 +261,8 @@ class PartitionRunner:
         if self.broken is not None or reason is None:
             return
         self.broken = reason
-        self.count_pending()
-        self._steady.clear()
+        self.steady.count_pending()
+        self.steady.clear()
         self.ledger.broken(reason, storm)
         log.warning("cgcompile: %s runs eagerly from now on: %s", self.describe(), reason)
         record("bank_stops" if storm else "eager_fallbacks", self.name, reason, once=True)
@@ -340,10 +273,10 @@ class PartitionRunner:
     def release(self) -> None:
         """Forget every graph (cgcompile.release()): the next call compiles, warms up and captures anew, and the
         bank policy starts over with its accounting."""
-        self.count_pending()
+        self.steady.count_pending()
         for entry in self.bank.values():
             entry.discard()
         self.bank.clear()
-        self._steady.clear()
+        self.steady.clear()
         self.arenas.forget_groups()
         self.ledger.reset()

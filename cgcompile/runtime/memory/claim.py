@@ -63,6 +63,11 @@ class MemoryClaim:
         graphs, an arena member's copy): what it handed out holds the memory through the use counts alone."""
         self._free = False
 
+    def handed_nothing(self) -> None:
+        """The replay that took this memory handed nothing of it out (its outputs were copied out of it): free
+        again, as after capture."""
+        self._free = True
+
     def held(self) -> bool:
         """Does anything beyond the runtime reference this memory? A free answer is cached until the next replay."""
         if self._free:
