@@ -94,20 +94,28 @@ def _first_calls(run: Callable[[], Any], keep: Optional[int] = None) -> Tuple[Li
     which a decode loop never does."""
     seen: List[Any] = []
     kept: List[tuple] = []
-    call = partition_runner.PartitionRunner.__call__
+    runner_class = partition_runner.PartitionRunner
+    call, leaving = runner_class.__call__, runner_class.leaving
 
-    def recording(self, *args):
-        if all(self is not r for r in seen):
-            seen.append(self)
+    def first(runner: Any, args: tuple) -> None:
+        if all(runner is not r for r in seen):
+            seen.append(runner)
             if len(seen) - 1 == keep:
                 kept.append(args)
+
+    def recording(self, *args):
+        first(self, args)
         return call(self, *args)
 
-    partition_runner.PartitionRunner.__call__ = recording
+    def recording_leaving(self, args):  # a frame that is this one call (block scope) enters here
+        first(self, args)
+        return leaving(self, args)
+
+    runner_class.__call__, runner_class.leaving = recording, recording_leaving
     try:
         run()
     finally:
-        partition_runner.PartitionRunner.__call__ = call
+        runner_class.__call__, runner_class.leaving = call, leaving
     return seen, (kept[0] if kept else None)
 
 

@@ -263,6 +263,13 @@ def is_aten_view(node: fx.Node) -> bool:
     return alias is not None and not alias.is_write and isinstance(node.args[0], fx.Node)
 
 
+def aten_view_root(node: fx.Node) -> fx.Node:
+    """view_root for aot's aten graphs: the tensor a chain of aten views (is_aten_view) starts from."""
+    while is_aten_view(node):
+        node = node.args[0]
+    return node
+
+
 def same_traced_layout(a: fx.Node, b: fx.Node) -> bool:
     """Do the two nodes' traced values (`meta["val"]`) have the same size, stride and dtype (readers of `a` may read
     `b` instead, as a rewrite that writes in place makes them)?"""

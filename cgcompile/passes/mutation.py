@@ -11,7 +11,7 @@ from typing import Dict, List
 import torch.fx as fx
 
 from ..reasons import Finding, Reason
-from .common import compute_nodes, finding, is_aten_view, is_static_placeholder, view_root, written_args
+from .common import aten_view_root, compute_nodes, finding, is_static_placeholder, view_root, written_args
 
 def find_input_mutations(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
     found: Dict[fx.Node, List[Finding]] = {}
@@ -32,10 +32,4 @@ def mutated_inputs(gm: fx.GraphModule) -> frozenset:
     through a view of them (an aten graph: rewrites/input_writes.py writes a KV cache through its slice)."""
     positions = {node: i for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     return frozenset(positions[root] for node in gm.graph.nodes if node.op == "call_function"
-                     for root in map(_aten_view_root, written_args(node)) if root in positions)
-
-
-def _aten_view_root(node: fx.Node) -> fx.Node:
-    while is_aten_view(node):
-        node = node.args[0]
-    return node
+                     for root in map(aten_view_root, written_args(node)) if root in positions)
