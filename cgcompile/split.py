@@ -139,10 +139,10 @@ def single_call(split_gm: fx.GraphModule, finished: bool = False) -> Optional[Tu
         def pick(args: tuple) -> tuple:
             return tuple([args[i] for i in order])
     if items == [None]:
-        leaving = getattr(partition, "leaving", None) if finished else None
-        if leaving is not None:  # the partition hands its result out as it leaves the frame (a PartitionRunner)
+        if finished and hasattr(partition, "leaving"):  # it hands its result out as it leaves the frame (a
+            # PartitionRunner; looked up per call, as a call of the partition itself would be)
             def whole_leaving(*args: Any) -> tuple:
-                return leaving(pick(args))
+                return partition.leaving(pick(args))
             return whole_leaving, True
 
         def whole(*args: Any) -> tuple:
