@@ -48,6 +48,22 @@ def test_a_copy_of_mixed_dtypes_moves_bits_exactly():
                            t.view(1).view(torch.uint8) if t.dim() == 0 else t.view(torch.uint8))
 
 
+def test_a_large_tensor_is_never_copied_as_narrower_integers():
+    """fp32 logits beside bf16 key/value tensors and the fp32 loss: the logits copy as fp32 (a narrower copy moves
+    fewer bytes per load), the bf16 ones and the small loss together as int16."""
+    tensors = [torch.randn(64, 64), torch.randn(64, 64).to(torch.bfloat16), torch.randn(64, 64).to(torch.bfloat16),
+               torch.randn(()).abs()]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        copies = copy_out(tensors)
+    (foreach,) = [e for e in prof.events() if e.name == "aten::_foreach_copy_"]
+    pairs = [c for c in foreach.cpu_children if c.name == "aten::copy_"]
+    assert [c.input_dtypes[:2] for c in pairs] == [["short int", "short int"]] * 3
+    alone = [e for e in prof.events() if e.name == "aten::copy_"
+             and (e.cpu_parent is None or e.cpu_parent.name != "aten::_foreach_copy_")]
+    assert [e.input_dtypes[:2] for e in alone] == [["float", "float"]]
+    assert all(torch.equal(t, c) for t, c in zip(tensors, copies))
+
+
 def test_lone_tensors_of_their_dtype_are_cloned():
     tensors = [torch.randn(3), torch.arange(4)[::2]]  # the int64 one has gaps: no view of its bits joins a copy
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

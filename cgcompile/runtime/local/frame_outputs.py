@@ -8,9 +8,10 @@ the sources' sizes and strides, which `empty_like` gives). So outputs sharing a 
 together; a tensor alone in its group is copied by itself (cloned, where no gradient is wanted).
 
 A copy moves bits, so outputs of different dtypes (the bf16 logits beside the fp32 loss) need not cost a kernel
-each: every dense output whose last dimension is contiguous (or a scalar) is copied as integers of the smallest
-element size among them (`Tensor.view(dtype)` reinterprets, exactly, NaN payloads included), in one kernel.
-Outputs of one dtype keep their own (no view: a wide type copies wide).
+each: dense outputs whose last dimension is contiguous (or scalars) of one element size are copied as integers of
+that size (`Tensor.view(dtype)` reinterprets, exactly, NaN payloads included), in one kernel, and a small one (the
+loss) joins the narrowest size a large one has. A large tensor is never copied narrower than its elements, and a
+group of one dtype copies in that dtype.
 
 `_foreach_copy_` has no autograd formula, and a training frame's outputs carry the gradient back into the graphs
 that made them: the copy runs inside one autograd Function whose backward hands each gradient through unchanged,
@@ -43,24 +44,38 @@ def copy_out(tensors: Sequence[torch.Tensor], zeros: bool = False) -> List[torch
 
 # the integer dtype a copy of mixed dtypes runs in, by element size
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# a tensor this small (the loss, a token) may be copied as narrower integers than its own: a wide tensor is not (a
+# multi-tensor copy moves a fixed number of elements per thread, so narrower elements move fewer bytes per load)
+_SMALL_BYTES = 4096
 
 
 def _groups(tensors: Sequence[torch.Tensor]) -> Dict[Tuple[Any, Any], List[int]]:
-    """Indices of `tensors` copied together, by (device, the dtype the copy runs in)."""
+    """Indices of `tensors` copied together, by (device, the dtype the copy runs in): per device, the viewable
+    ones (_viewable) by element size, small ones joining the narrowest size a large one has (each group in its
+    dtype where it has one, else as integers of its size); the others by dtype."""
     groups: Dict[Tuple[Any, Any], List[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    by_device: Dict[Any, List[int]] = {}
+    widths: Dict[Any, Dict[int, List[int]]] = {}
     for i, t in enumerate(tensors):
         if _viewable(t):
-            by_device.setdefault(t.device, []).append(i)
-    for device, members in by_device.items():
-        if len({tensors[i].dtype for i in members}) > 1:  # several dtypes: one copy of their bits
-            for i in members:
-                groups[(device, tensors[i].dtype)].remove(i)
-            bits = _BITS[min(tensors[i].element_size() for i in members)]
-            groups.setdefault((device, bits), []).extend(members)
+            widths.setdefault(t.device, {}).setdefault(t.element_size(), []).append(i)
+        else:
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    for device, by_width in widths.items():
+        large = [w for w, members in by_width.items() if any(_nbytes(tensors[i]) > _SMALL_BYTES for i in members)]
+        target = min(large or by_width)
+        for width in [w for w in by_width if w != target and w % target == 0]:
+            small = [i for i in by_width[width] if _nbytes(tensors[i]) <= _SMALL_BYTES]
+            by_width[target] += small
+            by_width[width] = [i for i in by_width[width] if i not in small]
+        for width, members in by_width.items():
+            dtypes = {tensors[i].dtype for i in members}
+            key = (device, dtypes.pop() if len(dtypes) == 1 else _BITS[width])
+            groups.setdefault(key, []).extend(members)
     return {key: members for key, members in groups.items() if members}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _viewable(t: torch.Tensor) -> bool:
