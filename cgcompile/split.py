@@ -95,13 +95,8 @@ def call_directly(split_gm: fx.GraphModule, finish: Optional[Callable[[Any], Any
         if isinstance(submod, fx.GraphModule):
             replace_submodule(split_gm, name, plain_forward(submod))
     direct = single_call(split_gm, finished=finish is not None)
-    if direct is not None:
-        forward, done = direct
-        if done or finish is None:
-            return forward
-    else:
-        forward = plain_forward(split_gm)
-    if finish is None:
+    forward, done = direct if direct is not None else (plain_forward(split_gm), False)
+    if done or finish is None:
         return forward
 
     def finished(*args: Any) -> Any:

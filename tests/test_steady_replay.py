@@ -102,8 +102,10 @@ def test_a_steady_decode_step_replays_each_partition_through_the_short_path(scop
     # (block scope: the frame is the one partition call, whose output leaves the frame copied straight out of the
     # graph's memory: PartitionRunner.leaving, replay_plain's copy_out; nothing is handed out of its memory, so
     # its claim is free again at once: handed_nothing)
-    core = ["leaving" if scope == "block" else "__call__", "find", "replay_blocker", "take", "pool_blocker",
-            "replay_plain", "after_replay", "mark_in_flight"]  # (take:
+    core = ["leaving", "find", "replay_blocker", "take", "pool_blocker", "replay_plain", "after_replay",
+            "mark_in_flight"] if scope == "block" else [
+        "__call__", "find", "replay_blocker", "take", "pool_blocker", "_replayed", "replay_plain", "after_replay",
+        "mark_in_flight"]  # (take:
     # _referenced unless the
     # pool rule found the graph free already)
     settle = {"catch_up", "_count", "add_replays", "steady_replays", "size_seen", "after_call", "sweep",
@@ -259,8 +261,8 @@ def test_outputs_a_caller_keeps_are_handed_out_as_copies_by_the_steady_path():
     out as a copy, and the steady path replays the one graph with that copy (the full replay, not the plain one),
     never overwriting what the caller keeps."""
     kept, names = keep_every_output({"clone_outputs": False}, copied_outputs=1)
-    assert names == ["__call__", "find", "replay_blocker", "take", "_referenced", "pool_blocker", "replay",
-                     "replayed", "add_replays", "after_replay", "mark_in_flight"], names
+    assert names == ["__call__", "find", "replay_blocker", "take", "_referenced", "pool_blocker", "_replayed",
+                     "replay", "replayed", "add_replays", "after_replay", "mark_in_flight"], names
 
 
 def test_a_parameter_moved_between_steady_replays_is_captured_again():
@@ -406,3 +408,22 @@ def test_a_frame_that_is_one_graph_hands_its_output_out_as_a_copy_without_an_ali
     assert names[0] == "leaving" and "replay_plain" in names and "finish_frame_outputs" not in names, names
     # every output in memory of its own (an alias of the graph's output would share its one fixed address)
     assert len({t.data_ptr() for t in kept}) == len(kept)
+
+
+def test_a_frame_whose_output_is_not_copied_out_by_its_replay_looks_its_record_up_once():
+    """A frame that is one partition's call, whose steady replay cannot copy its output out itself (capture_sizes:
+    the graph writes into an output arena, so it is no plain graph): the call replays from the record it found
+    and the frame copies the output, looking the record up once, not again through the partition's own call."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 6)).eval()
+    compiled = torch.compile(model, backend="cudagraph_modules",
+                             options={"driver": "emulate", "capture_sizes": [4, 8]})
+    inputs = [torch.randn(3 if i % 2 else 6, 6, generator=torch.Generator().manual_seed(i)) for i in range(12)]
+    with torch.no_grad():
+        got = [compiled(x) for x in inputs[:-1]]
+        calls = partition_calls(lambda: got.append(compiled(inputs[-1])))
+        want = [model(x) for x in inputs]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    (names,) = calls
+    assert names[0] == "leaving" and names.count("find") == 1 and "replay" in names, names
+    assert cgcompile.stats()["steady_replays"] > 0

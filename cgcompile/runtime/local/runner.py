@@ -47,7 +47,7 @@ from .inputs import PartitionInputs
 from .instance import GraphInstance
 from .model_runtime import ModelRuntime
 from .releaser import GraphReleaser
-from .steady import SteadyReplays
+from .steady import SteadyReplay, SteadyReplays
 
 __all__ = ["PartitionRunner"]
 
@@ -101,14 +101,7 @@ class PartitionRunner:
         record = steady.find(args) if steady.records else None
         if record is None:
             return self._call(args)
-        copied = record.family.copied_outputs
-        if record.plain and not copied:
-            out = record.replay_plain(args)
-        else:
-            out = record.graph.replay(args, True, copied)
-            record.counted += 1  # in stats() by replay() itself
-        steady.after_replay(record, args)
-        return out[0] if self.container is None else self.container(out)
+        return self._replayed(record, args)
 
     def leaving(self, args: tuple) -> tuple:
         """A call whose result is at once the frame's only output (a frame that is this one call, split.single_call):
@@ -117,11 +110,23 @@ class PartitionRunner:
         handed out holds the graph and no alias is made to be dropped."""
         steady = self.steady
         record = steady.find(args) if steady.records else None
-        if record is None or not record.copy_out or record.family.copied_outputs:
-            return self.runtime.finish_frame_outputs((self(*args),))
-        out = record.replay_plain(args, True)
-        steady.after_replay(record, args)
-        return (out[0],)
+        if record is not None and record.copy_out and not record.family.copied_outputs:
+            out = record.replay_plain(args, True)
+            steady.after_replay(record, args)
+            return (out[0],)
+        result = self._call(args) if record is None else self._replayed(record, args)
+        return self.runtime.finish_frame_outputs((result,))
+
+    def _replayed(self, record: SteadyReplay, args: tuple) -> Any:
+        """The call's result from a steady replay of the record SteadyReplays.find gave it (its claim taken)."""
+        copied = record.family.copied_outputs
+        if record.plain and not copied:
+            out = record.replay_plain(args)
+        else:
+            out = record.graph.replay(args, True, copied)
+            record.counted += 1  # in stats() by replay() itself
+        self.steady.after_replay(record, args)
+        return out[0] if self.container is None else self.container(out)
 
     def _call(self, args: tuple) -> Any:
         if self.steady.records:
