@@ -294,20 +294,24 @@ def depth_host_times(depths: Sequence[int], steps: int = 4, repeats: int = 3) ->
         for _ in range(5):  # warmup and capture
             compiled(x).sum().backward()
         spent, count = [0.0], [0]
-        call = partition_runner.PartitionRunner.__call__
+        runner_class = partition_runner.PartitionRunner
+        call, leaving = runner_class.__call__, runner_class.leaving
 
-        def timed(self, *args):
-            forward = torch.is_grad_enabled()
-            start = time.perf_counter()
-            try:
-                return call(self, *args)
-            finally:
-                if forward:
-                    spent[0] += time.perf_counter() - start
-                    count[0] += 1
+        def timing(fn):
+            def timed(self, *args):
+                forward = torch.is_grad_enabled()
+                start = time.perf_counter()
+                try:
+                    return fn(self, *args)
+                finally:
+                    if forward:
+                        spent[0] += time.perf_counter() - start
+                        count[0] += 1
+            return timed
 
         samples = []
-        partition_runner.PartitionRunner.__call__ = timed
+        # a frame that is one partition's call (each block here) enters through leaving (its output's copy included)
+        runner_class.__call__, runner_class.leaving = timing(call), timing(leaving)
         try:
             with replays_as_launches():
                 for _ in range(repeats):
@@ -317,7 +321,7 @@ def depth_host_times(depths: Sequence[int], steps: int = 4, repeats: int = 3) ->
                             compiled(x).sum().backward()
                     samples.append(spent[0] / count[0])
         finally:
-            partition_runner.PartitionRunner.__call__ = call
+            runner_class.__call__, runner_class.leaving = call, leaving
         found[layers] = statistics.median(samples)
     return found
 

@@ -50,8 +50,9 @@ def one_profiled_step(step, model, prompt, profile) -> None:
 
 
 def partition_calls(fn) -> list:
-    """Per partition call `fn` makes (PartitionRunner.__call__), the names of the cgcompile functions it runs in
-    Python, the emulated device's own work (runtime/drivers/emulate.py and what it calls) left out."""
+    """Per partition call `fn` makes (PartitionRunner.__call__, or .leaving for a frame that is that one call), the
+    names of the cgcompile functions it runs in Python, the emulated device's own work (runtime/drivers/emulate.py
+    and what it calls) left out."""
     calls: list = []
     stack: list = []  # per frame entered: what it is ("partition", "device" or "")
 
