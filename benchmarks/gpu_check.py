@@ -276,8 +276,9 @@ def machine_lines() -> List[str]:
             f"- commit: {commit.stdout.strip() or 'unknown'}"]
 
 
-def report_text(header: List[str], outcomes: List[Outcome], total_s: float, log_dir: str) -> str:
-    out = ["# cgcompile GPU check", "", *header, f"- total: {total_s:.0f} s (budget {BUDGET_S} s)",
+def report_text(header: List[str], outcomes: List[Outcome], total_s: float, log_dir: str,
+                budget_s: float = BUDGET_S) -> str:
+    out = ["# cgcompile GPU check", "", *header, f"- total: {total_s:.0f} s (budget {budget_s:.0f} s)",
            f"- full logs: {log_dir}", "", "| stage | result | seconds |", "|---|---|---|"]
     out += [f"| {o.stage.name} | {o.status} | {o.seconds:.0f} |" for o in outcomes]
     for o in outcomes:
@@ -294,10 +295,20 @@ def main(argv=None) -> int:
     parser.add_argument("--report", required=True, help="markdown report to write")
     parser.add_argument("--wheels", default=os.environ.get("WHEELS") or None,
                         help="install offline from this folder of wheels (pip --no-index --find-links); env WHEELS")
+    parser.add_argument("--stages", default=None,
+                        help="comma-separated stage names to run (default: all); a lease too short for both this "
+                             "check and gpu-perf runs the test stages alone after gpu-perf's install")
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all stages together")
     args = parser.parse_args(argv)
     if args.wheels:
         args.wheels = os.path.abspath(args.wheels)
     plan = stages(sys.executable, args.wheels)
+    if args.stages:
+        names = args.stages.split(",")
+        unknown = sorted(set(names) - {s.name for s in plan})
+        if unknown:
+            parser.error(f"unknown stage(s) {unknown}; valid: {[s.name for s in plan]}")
+        plan = [s for s in plan if s.name in names]
     try:
         import torch
         cuda = torch.cuda.is_available()
@@ -306,15 +317,15 @@ def main(argv=None) -> int:
         cuda, why = False, f"torch cannot be imported ({exc})"
     if not cuda:
         print(f"gpu-check: no CUDA device ({why}); nothing was run and no report written. On a CUDA machine it "
-              f"would run, in {BUDGET_S} s at most:")
+              f"would run, in {args.budget:.0f} s at most:")
         for stage in plan:
             print(f"  {stage.name} (limit {stage.timeout_s:.0f} s): {' '.join(stage.command())}")
         return NO_CUDA_EXIT
     log_dir = os.path.splitext(os.path.abspath(args.report))[0] + ".logs"
     os.makedirs(log_dir, exist_ok=True)
     started = time.monotonic()
-    outcomes = run_all(plan, BUDGET_S, log_dir)
-    text = report_text(machine_lines(), outcomes, time.monotonic() - started, log_dir)
+    outcomes = run_all(plan, args.budget, log_dir)
+    text = report_text(machine_lines(), outcomes, time.monotonic() - started, log_dir, args.budget)
     with open(args.report, "w") as f:
         f.write(text)
     print(f"gpu-check: report written to {args.report}")
