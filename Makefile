@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # files' tests share compiled models and fixtures); TEST_WORKERS=0 runs it in this process alone.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-nightly docs docs-serve bench gpu-check gpu-perf megatron-parity megatron-record clean
+.PHONY: demo test test-nightly docs docs-serve bench gpu-check gpu-perf gpu-lease megatron-parity megatron-record clean
 
 # setup.py builds the optional compiled helper (cgcompile/csrc) in place; a change to it reinstalls.
 # torchtitan (tests/test_torchtitan_ep.py) goes into $(VENV)/torchtitan, not site-packages: --no-deps with the
@@ -63,6 +63,18 @@ gpu-check:
 # prints its stage plan and exits 0. Stage output goes to $(OUT)/gpu-perf.log; --cpu-plumbing checks the script on a CPU.
 gpu-perf:
 	$(if $(OUT),OUT="$(OUT)") $(GPU_PYTHON) benchmarks/gpu_perf.py
+
+# A 15-minute lease holds a machine's start and one call of at most 10 minutes: gpu-perf and gpu-check do not both
+# fit. This runs, in one call of about 9.5 minutes, gpu-perf's decode and training stages (the issue-36 rows and
+# their kernel diffs), then gpu-check's GPU and NCCL tests, then gpu-perf's padded-MoE stage; each budget a limit,
+# each step run even when the one before failed. Reports: $(OUT)/gpu-perf.md, $(OUT)/gpu-check.md (and its logs).
+# Offline test packages (expecttest): WHEELS=dir of wheels.
+gpu-lease:
+	-$(if $(OUT),OUT="$(OUT)") $(GPU_PYTHON) benchmarks/gpu_perf.py --budget 265 \
+	    --stages install,decode-b1,llama-train,moe-train
+	-$(GPU_PYTHON) benchmarks/gpu_check.py --report "$(or $(OUT),gpu-perf-out)/gpu-check.md" \
+	    --stages install,gpu-tests,gpu-nccl --budget 200 $(if $(WHEELS),--wheels "$(WHEELS)")
+	-$(if $(OUT),OUT="$(OUT)") $(GPU_PYTHON) benchmarks/gpu_perf.py --budget 95 --stages moe-sync --skip-install
 
 # Megatron-Core parity, live: the parity cases through megatron.core itself, and a tiny GPTModel tagged with
 # tag_megatron trained against eager (it needs Python >= 3.12 and torch; PyPI's torch, a large download, is

@@ -158,9 +158,9 @@ def run_stage(argv: List[str], limit_s: float, log_path: str, env: dict) -> str:
     return "ok" if rc == 0 else f"failed (exit {rc})"
 
 
-def print_plan(budget_s: float, out: str) -> None:
+def print_plan(budget_s: float, out: str, plan: List[Stage]) -> None:
     print(f"gpu-perf: the stage plan ({budget_s:.0f} s in all; output to {out}/{REPORT} and {LOG}):")
-    for stage in stages():
+    for stage in plan:
         argv = stage.command("python", f"{out}/{REPORT}")
         print(f"  {stage.name:<15} {stage.limit_s:>4.0f} s  {stage.why}\n                         {' '.join(argv)}")
 
@@ -177,6 +177,9 @@ def main(argv=None) -> int:
                         help="check this script on a CPU: the stages run bench_gpu.py --cpu-smoke, no install")
     args = parser.parse_args(argv)
     plan = [s for s in stages() if args.stages is None or s.name in args.stages.split(",")]
+    unknown = sorted(set(args.stages.split(",")) - {s.name for s in stages()}) if args.stages else []
+    if unknown:
+        parser.error(f"unknown stage(s) {unknown}; valid: {[s.name for s in stages()]}")
     if args.cpu_plumbing:
         plan = [dataclasses.replace(s, extra=s.extra + ("--cpu-smoke",)) for s in plan if s.name != "install"]
     started = time.monotonic()
@@ -189,7 +192,7 @@ def main(argv=None) -> int:
     if args.plan or not (cuda or args.cpu_plumbing):
         if not cuda:
             print(f"gpu-perf: no CUDA device ({why}); nothing was run.")
-        print_plan(args.budget, out)
+        print_plan(args.budget, out, plan)
         return 0
     os.makedirs(out, exist_ok=True)
     report, log = os.path.join(out, REPORT), os.path.join(out, LOG)

@@ -7,7 +7,7 @@ import os
 import re
 import sys
 
-from tests.bench_scripts import load_bench, load_bench_gpu, rows_of, run_script, table_of
+from tests.bench_scripts import ROOT, load_bench, load_bench_gpu, rows_of, run_script, table_of
 
 
 def test_bench_gpu_skips_without_cuda():
@@ -129,6 +129,22 @@ def test_gpu_perf_without_cuda_prints_its_plan():
     diffs = re.findall(r"--variants (\S+) .*--kernel-diff (\S+),(\S+)", out)  # issue 36's kernel tables
     assert {"decode-b1", "llama-train", "moe-train"} <= {s.name for s in perf.stages() if s.kernel_diff}
     assert diffs and all(a == "reduce-overhead" and {a, b} <= set(variants.split(",")) for variants, a, b in diffs)
+
+
+def test_gpu_lease_fits_one_call_and_names_real_stages():
+    """`make gpu-lease`: gpu-perf's and gpu-check's stages for a 15-minute lease (a machine's start and one call of
+    at most 600 s): the budgets within 570 s, every stage it names one the scripts have (they refuse others)."""
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        recipe = f.read().split("\ngpu-lease:\n")[1].split("\n\n")[0].replace("\\\n", " ")
+    perf, check = load_bench("gpu_perf"), load_bench("gpu_check")
+    known = {"gpu_perf.py": {s.name for s in perf.stages()}, "gpu_check.py": {s.name for s in check.stages("python")}}
+    calls = re.findall(r"benchmarks/(gpu_\w+\.py)([^\n]*)", recipe)
+    assert [script for script, _ in calls] == ["gpu_perf.py", "gpu_check.py", "gpu_perf.py"]
+    assert sum(float(re.search(r"--budget (\d+)", args).group(1)) for _, args in calls) <= 570
+    for script, args in calls:
+        assert set(re.search(r"--stages (\S+)", args).group(1).split(",")) <= known[script], (script, args)
+    picked = run_script("gpu_perf.py", "--stages", "decode-b1,moe-train", timeout=120)
+    assert re.findall(r"^  (\S+)\s+\d+ s  ", picked, re.M) == ["decode-b1", "moe-train"]
 
 
 def test_gpu_perf_stage_killed_at_its_limit_keeps_its_rows(tmp_path):

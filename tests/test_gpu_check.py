@@ -146,3 +146,16 @@ def test_a_module_that_does_not_import_leaves_the_other_tests_running(tmp_path):
                for line in lines), lines
     assert lines[-1].startswith("total: 1 passed, 1 error"), lines
     assert "--timeout=" not in " ".join(argv)  # without pytest-timeout the flag would be a usage error
+
+
+def test_stages_pick_what_runs_and_an_unknown_name_is_refused(tmp_path):
+    """--stages and --budget (`make gpu-lease` runs the test stages beside gpu-perf's in one short lease)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    argv = [sys.executable, "benchmarks/gpu_check.py", "--report", str(tmp_path / "r.md"), "--budget", "200"]
+    picked = subprocess.run(argv + ["--stages", "gpu-tests,gpu-nccl"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert "in 200 s at most" in picked.stdout, picked.stdout
+    assert [line.split()[0] for line in picked.stdout.splitlines()[1:]] == ["gpu-tests", "gpu-nccl"]
+    wrong = subprocess.run(argv + ["--stages", "gpu-test"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert wrong.returncode == 2 and "unknown stage(s) ['gpu-test']; valid: ['install', 'gpu-tests'" in wrong.stderr
