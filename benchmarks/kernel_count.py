@@ -21,7 +21,8 @@ Variants: torch.compile's default (Inductor over the whole graph), cgcompile wit
 "eager" (driver=emulate, default options). Workloads: HF Llama and HF Mixtral (tiny, from configs: 2 layers, hidden
 32) bf16 training steps (forward with labels, loss, backward, grads to None; new tokens every step; Llama also with
 use_cache=False, as training code passes it: no key/value tensors leave the frame), and the
-KV-cache decode step of tests/models/kv_gpt.py (2 layers, batch 4, a new position every step, block scope).
+KV-cache decode step of tests/models/kv_gpt.py (2 layers, batch 4, a new position every step, block scope);
+`--workloads decode-layer`: the same step in layer scope (one graph per layer, the glue between them eager).
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def count_kernels(events: Iterable) -> Counter:
 
 def workload(name: str, layers: int = 2) -> Tuple[torch.nn.Module, Callable[[Callable], Callable[[], None]], dict]:
     """(model, make_step(fn) -> step(), cgcompile options besides driver and inner_compiler) for `name`."""
-    if name == "decode":
+    if name in ("decode", "decode-layer"):
         from tests.models import kv_gpt
 
         model = kv_gpt.build(num_layers=layers).eval()
@@ -161,8 +162,9 @@ def workload(name: str, layers: int = 2) -> Tuple[torch.nn.Module, Callable[[Cal
             return step
         # block scope: the whole step one graph (layer scope leaves the embeddings, mask, final norm, head and
         # argmax eager between the layers' graphs: 7 kernels launched one by one, which whole-graph Inductor fuses)
+        scope = "layer" if name == "decode-layer" else "block"
         return kv_gpt.DecodeStep(model), make_decode, {"cuda_graph_modules": ["attn", "mlp"],
-                                                       "inference_cuda_graph_scope": "block"}
+                                                       "inference_cuda_graph_scope": scope}
     if name.startswith("llama-train"):
         from tests.hf.families import build
 
@@ -172,7 +174,7 @@ def workload(name: str, layers: int = 2) -> Tuple[torch.nn.Module, Callable[[Cal
 
         model = hf_moe.build(layers=layers, dtype=torch.bfloat16)
     else:
-        raise ValueError(f"unknown workload {name!r}; workloads: {WORKLOADS}")
+        raise ValueError(f"unknown workload {name!r}; workloads: {WORKLOADS + ('decode-layer',)}")
     generator = torch.Generator().manual_seed(1000)
     batches = [torch.randint(0, 64, (2, 16), generator=generator) for _ in range(8)]
     state = {"i": 0}
@@ -273,4 +275,6 @@ if __name__ == "__main__":
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    table(args.workloads.split(","), args.variants.split(","), layers=args.layers)
+    chosen = args.variants.split(",")  # the baseline: whole-graph Inductor when it runs, else the first named
+    table(args.workloads.split(","), chosen, base="inductor" if "inductor" in chosen else chosen[0],
+          ours="cg-inductor" if "cg-inductor" in chosen else None, layers=args.layers)

@@ -32,6 +32,7 @@ from .runtime.release import release
 from .runtime.frame.te import TEFrame, resolve_graphing_fn
 from .runtime.frame.verify import VerifiedPartition
 from .plan import GraphPlan
+from .rewrites.shared_inputs import share_inputs
 from .scope import LayerScope, ScopedFrame, scope_config
 from .split import call_directly, copy_graph_module, plain_forward, replace_submodule, split
 
@@ -131,6 +132,8 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
     if config.cuda_graph_impl != CudaGraphImpl.TRANSFORMER_ENGINE and str(config.inner_compiler) == "eager" \
             and not runtime.driver.captures:
         return plain_forward(gm)  # nothing to capture or compile (e.g. driver=auto on CPU): splitting only adds calls
+    if config.cuda_graph_impl != CudaGraphImpl.TRANSFORMER_ENGINE:
+        graph_plan = share_inputs(gm, graph_plan)  # a value several graphs read, copied in once (rewrites/)
     static_names = {n.name for n in gm.graph.nodes if is_static_placeholder(n)}
     by_name = {n.name: n for n in gm.graph.nodes}
     split_gm = split(gm, graph_plan)

@@ -8,6 +8,7 @@ import torch
 
 import cgcompile
 from cgcompile.backend import record_plans
+from tests.frame_ops import FrameOps, counting_backend, replays_flagged
 from tests.inductor_cpp import needs_inductor_cpp
 from tests.models import kv_gpt
 
@@ -66,62 +67,30 @@ def test_full_iteration_decodes_like_eager():
     assert st["graphs_captured"] == 1 and st["eager_fallbacks"] == []
 
 
-@pytest.mark.parametrize("inner", INNER_COMPILERS)
-def test_steady_decode_step_runs_nothing_outside_the_graph_but_input_copies(monkeypatch, inner):
-    """Per call, outside the replayed graph: one copy of the non-static inputs (token, input_pos), one detach for
-    the output handed out and its clone leaving the frame. The cache writes happen inside the graph (aot's
-    inference epilogue would copy every written cache buffer eagerly after it), for both inner compilers."""
-    from cgcompile._compat import TorchDispatchMode
-    from cgcompile.backend import cudagraph_modules
-    from cgcompile.runtime.drivers.emulate import EmulatedGraph
-
-    class OutsideReplay(TorchDispatchMode):
-        inside = False
-
-        def __init__(self):
-            super().__init__()
-            self.ops, self.graph_ops = {}, {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops = self.graph_ops if OutsideReplay.inside else self.ops
-            ops[str(func)] = ops.get(str(func), 0) + 1
-            return func(*args, **(kwargs or {}))
-
-    replay = EmulatedGraph.replay
-
-    def flagged_replay(self):
-        OutsideReplay.inside = True
-        try:
-            return replay(self)
-        finally:
-            OutsideReplay.inside = False
-
-    monkeypatch.setattr(EmulatedGraph, "replay", flagged_replay)
-    counters = []
-
-    def counting_backend(gm, example_inputs, options=None):
-        frame = cudagraph_modules(gm, example_inputs, options=options)
-
-        def run(*args):
-            if not counters:
-                return frame(*args)
-            with counters[-1]:
-                return frame(*args)
-        return run
-
+def steady_step_ops(options, **build):
+    """The ops one steady decode step dispatches outside replayed graphs (`.ops`) and inside them (`.graph_ops`),
+    after warmup, capture and replays; with the model."""
     torch._dynamo.reset()
-    model, _ = decode_twins()
+    model, _ = decode_twins(**build)
     (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
-    options = dict(OPTIONS, driver="emulate", inner_compiler=inner)
-    step = torch.compile(kv_gpt.DecodeStep(model), backend=lambda gm, ex: counting_backend(gm, ex, options))
+    counters = []
+    step = torch.compile(kv_gpt.DecodeStep(model), backend=counting_backend(options, counters))
     pos = kv_gpt.positions(model.max_seq)
-    with torch.no_grad():
+    with torch.no_grad(), replays_flagged():
         token = kv_gpt.prefill(model, prompt)
         for i in range(5):  # warmup, capture, replays
             token = step(token, pos[8 + i])
-        counters.append(OutsideReplay())
+        counters.append(FrameOps())
         step(token, pos[13])
-    counted = counters.pop()
+    return counters.pop(), model
+
+
+@pytest.mark.parametrize("inner", INNER_COMPILERS)
+def test_steady_decode_step_runs_nothing_outside_the_graph_but_input_copies(inner):
+    """Per call, outside the replayed graph: one copy of the non-static inputs (token, input_pos), one detach for
+    the output handed out and its clone leaving the frame. The cache writes happen inside the graph (aot's
+    inference epilogue would copy every written cache buffer eagerly after it), for both inner compilers."""
+    counted, model = steady_step_ops(dict(OPTIONS, driver="emulate", inner_compiler=inner))
     # outside the graph: the step's token and position copied in, the output copied straight out of graph memory
     # as it leaves the frame (PartitionRunner.leaving: no alias detached only to be cloned)
     assert counted.ops == {"aten._foreach_copy_.default": 1, "aten.clone.default": 1}, inner
@@ -130,3 +99,17 @@ def test_steady_decode_step_runs_nothing_outside_the_graph_but_input_copies(monk
         # (the one copy_ is the emulator's own: the step's output into its static buffer, no work on a GPU)
         writes = {op: n for op, n in counted.graph_ops.items() if "copy" in op or "scatter" in op}
         assert writes == {"aten.index_copy_.default": 2 * len(model.layers), "aten.copy_.default": 1}, writes
+
+
+def test_layer_scope_copies_what_every_layer_reads_in_once_per_step():
+    """Layer scope: each layer's graph reads the step's position and attention mask, made outside every graph.
+    The first layer's graph copies them in and returns clones of them made inside it, which the later layers read
+    where they lie (rewrites/shared_inputs.py): one copy launch per step, not one per layer. Decodes like eager,
+    every layer replayed steadily."""
+    options = dict(OPTIONS, inference_cuda_graph_scope="layer", driver="emulate")
+    counted, model = steady_step_ops(options, num_layers=3)
+    assert counted.ops.get("aten._foreach_copy_.default") == 1, counted.ops  # was one per layer
+    # inside the first layer's graph: its clones of the position and the mask (emulator's copies aside)
+    assert counted.graph_ops.get("aten.clone.default") == 2, counted.graph_ops
+    graphs, st = assert_decode_matches_eager(options)
+    assert st["eager_fallbacks"] == [] and st["steady_replays"] >= (STEPS - 5) * len(graphs[0].captured)

@@ -114,7 +114,9 @@ def test_a_steady_decode_step_replays_each_partition_through_the_short_path(scop
     for names in calls:
         remaining = iter(names)
         assert all(name in remaining for name in core), names  # in this order, others between them
-        assert set(names) - set(core) <= {"held", "_referenced", "handed_nothing"} | settle, names
+        # (<listcomp>: replay_plain's aliases of a graph with several outputs, a frame of its own before Python
+        # 3.12: in layer scope the first layer's graph also returns the position and mask the later ones read)
+        assert set(names) - set(core) <= {"held", "_referenced", "handed_nothing", "<listcomp>"} | settle, names
         assert names.count("replay_plain") == names.count("take") == 1, names
     held_checks = sum(name == "held" for names in calls for name in names)
     assert held_checks <= 2 * len(calls)  # graph.held and its claim's, at most once per graph and step
