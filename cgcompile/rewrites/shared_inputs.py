@@ -1,18 +1,20 @@
-"""A value several captured partitions of an inference frame read, copied into graph memory once per call.
+"""A value several captured partitions of a frame read, copied into graph memory once per call.
 
 A captured graph reads a tensor that is neither a parameter nor another graph's output from a static buffer of its
 own, filled by a copy before each replay. A value that N partitions of one frame read, such as a decode step's
-position and attention mask in layer scope, or rotary cos/sin made outside the tagged layers, is so copied N times
-per call (one copy launch per partition, outside any graph) and held in N buffers. When that value comes from
-outside every graph (a frame input, or an eager partition's result), the first captured partition reading it now
-also returns a clone of it made inside its graph, and the later ones read that clone where it lies: another graph's
-output, which a graph reads in place (BORROWED in runtime/local/instance.py). One copy in and one kernel inside the
-first graph per call, instead of N copy launches.
+position and attention mask in layer scope, or the rotary cos/sin and mask a model makes outside its tagged
+attention modules, is so copied N times per call (copy launches outside any graph) and held in N buffers. When
+that value comes from outside every graph (a frame input, or an eager partition's result), the first captured
+partition reading it now also returns a clone of it made inside its graph, and the later ones read that clone where
+it lies: another graph's output, read in place (BORROWED in runtime/local/instance.py), as a layer reads the
+previous layer's output. One copy in and one kernel inside the first graph per call, instead of N copy launches.
+In training the clone needs no gradient, and a later graph's forward that saves it for its backward holds the first
+graph's memory until then, as its saved activations already do.
 
 Left as they are: parameters and buffers (read in place already), values no captured partition after the first
-reads, non-tensors and tensor subclasses, tensors on another device than the frame's, values that require grad, and any value that an op of the frame writes in
-place, directly or through a view (the clone would not see the write). Training frames too: a later graph's forward
-may save the clone for its backward, which would hold the first graph's memory until then (not measured).
+reads, non-tensors and tensor subclasses, tensors on another device than the frame's, values that require grad,
+and any value that an op of the frame writes in place, directly or through a view (the clone would not see the
+write).
 """
 
 from __future__ import annotations
@@ -33,8 +35,6 @@ __all__ = ["share_inputs"]
 def share_inputs(gm: fx.GraphModule, graph_plan: GraphPlan) -> GraphPlan:
     """Rewrite gm (before it is split by `graph_plan`) so each shared value is copied once, as above; returns the
     plan with each clone in the partition that makes it (its op count unchanged: the clone is how values travel)."""
-    if graph_plan.training:
-        return graph_plan
     owner = graph_plan.node_to_partition
     captured = {p.id for p in graph_plan.partitions if p.captured}
     written = {view_root(w) for node in compute_nodes(gm) for w in written_args(node)}
