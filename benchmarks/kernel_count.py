@@ -49,6 +49,7 @@ __all__ = ["GOAL", "VARIANTS", "WORKLOADS", "count_kernels", "diff_rows", "kerne
 GOAL = 1.05  # cgcompile-inductor kernels per step vs whole-graph Inductor's
 VARIANTS = ("inductor", "cg-inductor", "cg-eager")
 WORKLOADS = ("llama-train", "llama-train-no-cache", "mixtral-train", "decode")
+OTHER_WORKLOADS = ("decode-layer",)  # named with --workloads; not in table (j)
 INDUCTOR_KERNEL = re.compile(r"^(graph_\d+_)?cpp_")  # enable_kernel_profile's event names
 # ops that run no kernel of their own besides what their children run (`to` without a copy, a dtype's promotion)
 FREE = NO_KERNEL_OPS | {"aten::resize_", "aten::set_", "aten::as_strided_", "aten::to", "aten::_to_copy",
@@ -143,7 +144,7 @@ def count_kernels(events: Iterable) -> Counter:
 
 def workload(name: str, layers: int = 2) -> Tuple[torch.nn.Module, Callable[[Callable], Callable[[], None]], dict]:
     """(model, make_step(fn) -> step(), cgcompile options besides driver and inner_compiler) for `name`."""
-    if name in ("decode", "decode-layer"):
+    if name in ("decode", *OTHER_WORKLOADS):
         from tests.models import kv_gpt
 
         model = kv_gpt.build(num_layers=layers).eval()
@@ -174,7 +175,7 @@ def workload(name: str, layers: int = 2) -> Tuple[torch.nn.Module, Callable[[Cal
 
         model = hf_moe.build(layers=layers, dtype=torch.bfloat16)
     else:
-        raise ValueError(f"unknown workload {name!r}; workloads: {WORKLOADS + ('decode-layer',)}")
+        raise ValueError(f"unknown workload {name!r}; workloads: {WORKLOADS + OTHER_WORKLOADS}")
     generator = torch.Generator().manual_seed(1000)
     batches = [torch.randint(0, 64, (2, 16), generator=generator) for _ in range(8)]
     state = {"i": 0}

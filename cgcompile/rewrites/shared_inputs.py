@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..passes.common import compute_nodes, example_value, is_static_placeholder, view_root, written_args
+from ..passes.common import COMPUTE_OPS, compute_nodes, example_value, is_static_placeholder, view_root, written_args
 from ..plan import GraphPlan
 
 __all__ = ["share_inputs"]
@@ -73,13 +73,11 @@ def share_inputs(gm: fx.GraphModule, graph_plan: GraphPlan) -> GraphPlan:
 def _copied_in(value: fx.Node, written: set, device: str) -> bool:
     """Would a captured graph reading `value` copy it into a buffer of its own, and may a clone stand in for it?
     (On the frame's device only: a clone of a CPU tensor in a CUDA graph would be a host op in the capture.)"""
-    if value.op == "placeholder" and is_static_placeholder(value) or value.op not in ("placeholder", "call_function",
-                                                                                     "call_method", "call_module"):
+    if is_static_placeholder(value) or value.op != "placeholder" and value.op not in COMPUTE_OPS:
         return False
     found = example_value(value)
     return isinstance(found, torch.Tensor) and found.device.type == device \
-        and not is_traceable_wrapper_subclass(found) and not found.requires_grad \
-        and not isinstance(found, torch.nn.Parameter) and view_root(value) not in written
+        and not is_traceable_wrapper_subclass(found) and not found.requires_grad and view_root(value) not in written
 
 
 def _with_clones(gm: fx.GraphModule, names: tuple, clones: List[str]) -> tuple:
