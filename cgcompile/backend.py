@@ -129,8 +129,8 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
     if not graph_plan.captured:
         return plain_forward(gm)
     runtime = ModelRuntime(config, device_of(example_inputs), graph_plan)  # with its index: the plan keeps only the type
-    if config.cuda_graph_impl != CudaGraphImpl.TRANSFORMER_ENGINE and str(config.inner_compiler) == "eager" \
-            and not runtime.driver.captures:
+    if config.cuda_graph_impl != CudaGraphImpl.TRANSFORMER_ENGINE and not runtime.driver.captures \
+            and not config.fuses_with_inductor(runtime.driver.name):
         return plain_forward(gm)  # nothing to capture or compile (e.g. driver=auto on CPU): splitting only adds calls
     if config.cuda_graph_impl != CudaGraphImpl.TRANSFORMER_ENGINE:
         graph_plan = share_inputs(gm, graph_plan)  # a value several graphs read, copied in once (rewrites/)

@@ -17,7 +17,8 @@ def moe_bank_run(steps: int, checkpoints, device: str = "cpu", driver: str = "em
     torch._dynamo.reset()
     cgcompile.reset_stats()
     options = {"cuda_graph_impl": "local", "cuda_graph_modules": [], "driver": driver,
-               "cuda_graph_warmup_steps": 3}  # the default warmup
+               "cuda_graph_warmup_steps": 3,  # the default warmup
+               "inner_compiler": "eager"}  # auto's choice off CUDA, on CUDA too: the bank's memory, not Inductor's
     run = torch.compile(model, backend="cudagraph_modules", options=options)
     seen, found = {}, {}
     size = lambda g: g["static_input_bytes"] + g["static_output_bytes"] + g["pool_bytes"]  # noqa: E731

@@ -15,7 +15,8 @@ from cgcompile.runtime.memory.arena import arena_capacity, output_layouts, span_
 from tests.models import MODELS
 from tests.parity import assert_step_matches_eager
 
-OPTIONS = {"cuda_graph_impl": "local", "cuda_graph_modules": [], "driver": "emulate", "cuda_graph_warmup_steps": 1}
+OPTIONS = {"cuda_graph_impl": "local", "cuda_graph_modules": [], "driver": "emulate", "cuda_graph_warmup_steps": 1,
+           "inner_compiler": "eager"}  # the default auto's choice off CUDA: the GPU twins (tests/gpu) run it too
 
 
 def mlp(device: str = "cpu") -> nn.Module:

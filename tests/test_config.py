@@ -81,7 +81,7 @@ def test_defaults():
     assert config.cuda_graph_modules == ()
     assert config.inference_cuda_graph_scope is InferenceCudaGraphScope.LAYER
     assert (config.cuda_graph_warmup_steps, config.min_partition_ops, config.max_graphs_per_partition) == (3, 2, 8)
-    assert config.inner_compiler is InnerCompiler.EAGER and config.driver is DriverKind.AUTO
+    assert config.inner_compiler is InnerCompiler.AUTO and config.driver is DriverKind.AUTO
     assert (config.strict_modules, config.strict, config.clone_outputs, config.verify) == (False, False, True, 0)
     assert config.capture_sizes == ()
     assert CudaGraphConfig(capture_sizes=[8, 1, 4, 4]).capture_sizes == (1, 4, 8)  # sorted, deduplicated
@@ -138,6 +138,13 @@ def test_other_enum_options():
     assert config.driver is DriverKind.EMULATE
     assert config.inner_compiler is InnerCompiler.INDUCTOR
     assert config.inference_cuda_graph_scope is InferenceCudaGraphScope.BLOCK
+
+
+@pytest.mark.parametrize("choice, fused_on", [("auto", {"cuda"}), ("eager", set()),
+                                               ("inductor", {"cuda", "emulate", "eager"})])
+def test_inner_compiler_auto_fuses_only_what_the_cuda_driver_captures(choice, fused_on):
+    config = from_options({"inner_compiler": choice})
+    assert {d for d in ("cuda", "emulate", "eager") if config.fuses_with_inductor(d)} == fused_on
 
 
 def test_custom_module_names_are_plain_strings():
@@ -628,7 +635,7 @@ def test_to_options_round_trip_and_json():
     options = config.to_options()
     assert options == {
         "cuda_graph_impl": "local", "cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": "layer",
-        "cuda_graph_warmup_steps": 3, "inner_compiler": "eager", "driver": "emulate", "min_partition_ops": 2,
+        "cuda_graph_warmup_steps": 3, "inner_compiler": "auto", "driver": "emulate", "min_partition_ops": 2,
         "max_graphs_per_partition": 8, "strict_modules": False, "strict": False, "clone_outputs": True,
         "verify": 2, "capture_sizes": [], "te": {"fp8": True}, "dynamic_padding": "off", "dynamic_padding_buckets": [],
         "fsdp_keep_unsharded": False, "measure_benefit": "auto", "cuda_graph_memory_budget": None,

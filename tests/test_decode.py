@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import cgcompile
+from cgcompile import _compat
 from cgcompile.backend import record_plans
 from tests.frame_ops import FrameOps, counting_backend, replays_flagged
 from tests.inductor_cpp import needs_inductor_cpp
@@ -48,13 +49,28 @@ def test_decode_step_plans_as_one_captured_graph():
     assert graph.partitions[0].tags == ("attn", "mlp")
 
 
-INNER_COMPILERS = ["eager", pytest.param("inductor", marks=[needs_inductor_cpp, pytest.mark.inductor])]
+INNER_COMPILERS = ["eager", "auto", pytest.param("inductor", marks=[needs_inductor_cpp, pytest.mark.inductor])]
+
+
+@pytest.fixture
+def inductor_requests(monkeypatch):
+    """Whether each partition's aot compile asked for Inductor (a spy: _compat.aot_compile still runs)."""
+    asked = []
+    real = _compat.aot_compile
+
+    def spy(*args, inductor=False, **kwargs):
+        asked.append(inductor)
+        return real(*args, inductor=inductor, **kwargs)
+
+    monkeypatch.setattr(_compat, "aot_compile", spy)
+    return asked
 
 
 @pytest.mark.parametrize("inner", INNER_COMPILERS)
-def test_decode_matches_eager_over_16_steps(inner):
+def test_decode_matches_eager_over_16_steps(inner, inductor_requests):
     graphs, st = assert_decode_matches_eager(dict(OPTIONS, driver="emulate", inner_compiler=inner),
-                                             exact=inner == "eager")
+                                             exact=inner != "inductor")
+    assert set(inductor_requests) == {inner == "inductor"}  # auto: Inductor only where the cuda driver captures
     (graph,) = graphs
     assert len(graph.captured) == 1 and len(graph.partitions) == 1
     warmup = 3

@@ -35,7 +35,8 @@ D = 8
 # Whole-layer mode (every capture-safe span, cut at numbered layers), one-op partitions allowed, capture at the
 # second call: the small models below split into the same partitions a per-module split would give them.
 BASE_OPTIONS = {"cuda_graph_impl": "local", "cuda_graph_modules": [], "driver": "emulate",
-                "cuda_graph_warmup_steps": 1, "min_partition_ops": 1}
+                "cuda_graph_warmup_steps": 1, "min_partition_ops": 1,
+                "inner_compiler": "eager"}  # the default auto's choice off CUDA: the GPU twins run it too
 
 
 def compiled(model, **options):

@@ -165,7 +165,7 @@ def _reset_stats():
 
 def cuda_options(*modules, **extra):
     return {"cuda_graph_impl": "local", "cuda_graph_modules": list(modules), "driver": "cuda",
-            "cuda_graph_warmup_steps": WARMUP, **extra}
+            "cuda_graph_warmup_steps": WARMUP, "inner_compiler": "eager", **extra}
 
 
 # ---- tests --------------------------------------------------------------------------------------------------

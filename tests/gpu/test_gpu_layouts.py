@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300),
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_any_layout_replays_like_eager_on_cuda(case):
     fn, make = CASES[case]
-    compiled = torch.compile(fn, backend="cudagraph_modules", options={"driver": "cuda",
+    compiled = torch.compile(fn, backend="cudagraph_modules", options={"driver": "cuda", "inner_compiler": "eager",
                                                                        "cuda_graph_warmup_steps": 1})
     cgcompile.reset_stats()
     with torch.no_grad():

@@ -46,7 +46,7 @@ def compile_partition(submod: fx.GraphModule, example_inputs: Sequence[Any], *, 
     returned: the cheapest host path.
     """
     driver = runtime.driver_for(example_inputs)
-    if not driver.captures and str(runtime.config.inner_compiler) == "eager":
+    if not driver.captures and not runtime.config.fuses_with_inductor(driver.name):
         return submod
     sized = any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
         isinstance(d, torch.SymInt) for d in v.shape)) for v in example_inputs)
