@@ -72,28 +72,28 @@ def stages() -> List[Stage]:
     return [
         Stage("install", 30, argv=["{python}", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                                    "-e", "."], why="the backend's entry point; torch untouched, no network"),
-        Stage("decode-b1", 65, "llama8b-decode-b1", f"eager,reduce-overhead,cg-local-inductor+block,{CG_DECODE}",
+        Stage("decode-b1", 70, "llama8b-decode-b1", f"eager,reduce-overhead,cg-local-inductor+block,{CG_DECODE}",
               kernel_diff="reduce-overhead,cg-local-inductor+block",
               why="8B-shaped decode, batch 1: launch-bound; goal within 1.1x of GPU-busy"),
-        Stage("moe-sync", 110, "qwen3moe-sync",
+        Stage("moe-sync", 80, "qwen3moe-sync",
               "eager,cg-local-eager+buckets,reduce-overhead,cg-local-inductor+buckets,cg-local-eager+max,"
               "cg-full-iteration+max,cg-local-eager+off,inductor", extra=("--hf-layers", "2"),
               kernel_diff="reduce-overhead,cg-local-inductor+buckets",
               why="64-expert MoE with per-expert nonzero, 2 of its 8 layers (Dynamo unrolls the 64-expert loop: "
                   "8 s of tracing per layer on a 2-core CPU, per variant): padded goals >= 3x eager, "
                   ">= 2x reduce-overhead"),
-        Stage("llama-train", 75, "llama-train", "eager,reduce-overhead,cg-local-inductor,cg-local-eager,"
+        Stage("llama-train", 125, "llama-train", "eager,reduce-overhead,cg-local-inductor,cg-local-eager,"
                                                 "cg-full-iteration,inductor",
               kernel_diff=INDUCTOR_DIFF, why="1B-class dense training step with AdamW: peak memory <= 1.3x eager"),
-        Stage("moe-train", 70, "qwen3moe-train", "eager,reduce-overhead,cg-local-inductor,cg-local-eager,"
+        Stage("moe-train", 95, "qwen3moe-train", "eager,reduce-overhead,cg-local-inductor,cg-local-eager,"
                                                  "cg-full-iteration,inductor",
               kernel_diff=INDUCTOR_DIFF, why="64-expert MoE with grouped_mm experts: peak memory <= 1.3x eager"),
-        Stage("decode-b8-b32", 70, "llama8b-decode-b8,llama8b-decode-b32", f"eager,{CG_DECODE},reduce-overhead",
+        Stage("decode-b8-b32", 50, "llama8b-decode-b8,llama8b-decode-b32", f"eager,{CG_DECODE},reduce-overhead",
               why="decode at batch 8 and 32: within 1.1x of GPU-busy"),
-        Stage("decode-varying", 45, "llama8b-decode-varying",
+        Stage("decode-varying", 35, "llama8b-decode-varying",
               "eager,cg-local-eager+block+sizes,cg-local-eager+block,reduce-overhead",
               why="a batch that changes every step: capture_sizes against one graph per size"),
-        Stage("small", 45, "moe,decode", "eager,cg-local-eager,cg-local-eager+max,cg-full-iteration,reduce-overhead",
+        Stage("small", 25, "moe,decode", "eager,cg-local-eager,cg-local-eager+max,cg-full-iteration,reduce-overhead",
               why="the launch-bound toys (d=512, 8 layers): where launch overhead shows"),
     ]
 
