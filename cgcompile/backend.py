@@ -7,6 +7,7 @@ and `mode` as keyword arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import threading
@@ -15,7 +16,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch.fx as fx
 
-from .config import CudaGraphConfig, CudaGraphImpl
+from .config import CudaGraphConfig, CudaGraphImpl, DynamicPadding
 from .diagnostics import full_iteration_error, log_graph_plan
 from .errors import ConfigError
 from .frame_root import anchor_module_stacks, frame_module, frame_root
@@ -30,6 +31,7 @@ from .runtime.local.model_runtime import ModelRuntime
 from .runtime.local.compile import compile_partition
 from .runtime.release import release
 from .runtime.frame.te import TEFrame, resolve_graphing_fn
+from .runtime.frame.unpadded import UnpaddedOnFallback
 from .runtime.frame.verify import VerifiedPartition
 from .plan import GraphPlan
 from .rewrites.shared_inputs import share_inputs
@@ -96,13 +98,22 @@ def plan_and_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     """Plan one Dynamo graph (mutating it), tell the plan listeners and the log, compile it."""
     # a submodule's frame is a fragment of the model (Dynamo broke around it): it may hold none of the
     # selected tags (a decoder layer's attention half when "moe" is selected), so only whole frames are checked
+    # dynamic_padding rewrites gm: the graph as Dynamo gave it is kept for a frame that gives padding up
+    unpadded_gm = copy_graph_module(gm) if config.dynamic_padding is not DynamicPadding.OFF else None
     graph_plan = make_plan(gm, example_inputs, config, index, validate_tags=root is None)
     for listener in getattr(_listeners, "stack", ()):
         listener.graphs.append(graph_plan)
     log_graph_plan(graph_plan, config)
     if config.cuda_graph_impl == CudaGraphImpl.FULL_ITERATION:
         check_one_graph(gm, graph_plan)
-    return compile_frame(gm, example_inputs, graph_plan, config)
+    run = compile_frame(gm, example_inputs, graph_plan, config)
+    padded = [f"graph {graph_plan.index} submod_{p.id}" for p in graph_plan.partitions if p.captured and p.padding]
+    if not padded or config.cuda_graph_impl != CudaGraphImpl.LOCAL:
+        return run
+    unpadded = dataclasses.replace(config, dynamic_padding=DynamicPadding.OFF, dynamic_padding_buckets=())
+    return UnpaddedOnFallback(run, padded, lambda: plan_and_compile(unpadded_gm, example_inputs, unpadded,
+                                                                    next(_graph_counter), root),
+                              f"graph {graph_plan.index}")
 
 
 _RESUME = re.compile(r'File "([^"]+)", line \d+, in torch_dynamo_resume_in_\w+_at_(\d+)')

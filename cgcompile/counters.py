@@ -27,6 +27,7 @@ def _zero() -> Dict[str, Any]:
         "graphs_released": 0,    # graphs the bank policy released (not replayed within its window)
         "bank_stops": [],        # {"partition", "reason"}: partitions that stopped capturing (sizes, re-capture storm)
         "benefit": {},           # partition -> its measured times and saving (option measure_benefit)
+        "padding_withdrawn": [],  # {"partition", "reason"}: a padded partition fell back; its frame runs unpadded
     }
 
 

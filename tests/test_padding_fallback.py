@@ -1,0 +1,54 @@
+"""A padded partition that falls back to eager gives its frame's padding up (runtime/frame/unpadded.py).
+
+Run eagerly, a padded partition still computes every padded row; the frame is compiled again without
+dynamic_padding from its next call. The emulate driver's timer is scripted (tests/test_benefit.py) so that the
+padded partitions' replays do not pay and every other partition's do."""
+
+import copy
+import logging
+
+import torch
+
+import cgcompile
+from cgcompile.backend import record_plans
+from cgcompile.runtime.drivers.emulate import EmulateDriver
+from cgcompile.runtime.drivers.timing import Timer
+from tests.models import MODELS
+from tests.padding_run import padding_options, train_like_eager
+
+
+class PaddedReplaysSlow(Timer):
+    """Eager calls 1 ms; replays 2 ms for the partitions the recorded plans pad, 0.1 ms for every other."""
+
+    def __init__(self, plans):
+        super().__init__()
+        self.plans = plans
+
+    def measure(self, fn, args, partition, phase):
+        padded = {f"graph {g.index} submod_{p.id}" for g in self.plans for p in g.partitions if p.padding}
+        seconds = 1e-3 if phase.startswith("eager") else (2e-3 if partition in padded else 1e-4)
+        return fn(args), seconds
+
+
+def test_a_padded_partition_that_does_not_pay_leaves_its_frame_unpadded(monkeypatch, caplog):
+    spec = MODELS["moe_mask"]
+    model = spec.make()
+    reference = copy.deepcopy(model)
+    with torch._dynamo.config.patch(spec.dynamo_flags()), record_plans() as rec, \
+            caplog.at_level(logging.WARNING, logger="cgcompile"):
+        monkeypatch.setattr(EmulateDriver, "timer", PaddedReplaysSlow(rec.graphs))
+        compiled = torch.compile(model, backend="cudagraph_modules",
+                                 options=padding_options("max", measure_benefit="on"))
+        cgcompile.reset_stats()
+        train_like_eager(spec, model, compiled, reference, steps=14)
+    padded_plan, unpadded_plan = [g for g in rec.graphs if g.training]
+    padded = {f"graph {padded_plan.index} submod_{p.id}" for p in padded_plan.partitions if p.padding}
+    assert padded and not any(p.padding for p in unpadded_plan.partitions)
+    assert "dynamic_shape" in {r.category for p in unpadded_plan.partitions for r in p.reasons}  # rows eager again
+    st = cgcompile.stats()
+    (withdrawn,) = st["padding_withdrawn"]
+    assert withdrawn["partition"] in padded and withdrawn["reason"].startswith("not_profitable")
+    assert sum("compiled again without dynamic_padding" in r.getMessage() for r in caplog.records) == 1
+    # the unpadded frame's partitions are captured, pay, and are replayed again after their capture
+    rows = [r for r in st["partitions"] if r["partition"].startswith(f"graph {unpadded_plan.index} ")]
+    assert rows and all(r["fallback"] is None for r in rows) and max(r["replays"] for r in rows) > 4
