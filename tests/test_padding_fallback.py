@@ -52,3 +52,5 @@ def test_a_padded_partition_that_does_not_pay_leaves_its_frame_unpadded(monkeypa
     # the unpadded frame's partitions are captured, pay, and are replayed again after their capture
     rows = [r for r in st["partitions"] if r["partition"].startswith(f"graph {unpadded_plan.index} ")]
     assert rows and all(r["fallback"] is None for r in rows) and max(r["replays"] for r in rows) > 4
+    # and the padded frame holds no graph any more
+    assert {g["label"].split(" submod")[0] for g in st["graphs"]} == {f"graph {unpadded_plan.index}"}

@@ -42,10 +42,14 @@ class UnpaddedOnFallback:
         return self.run(*args)
 
     def _withdraw(self, fallen: Any) -> None:
+        """Log, count, drop the padded frame's graphs (a pending backward of one runs eagerly: ModelRuntime.release)
+        and build the unpadded frame."""
         build, self.compile_unpadded, self.padded = self.compile_unpadded, None, []
-        log.warning("cgcompile: %s: padded partition %s runs eagerly (%s); its padded rows would cost more eagerly "
-                    "than the code as written, so the frame is compiled again without dynamic_padding",
+        log.warning("cgcompile: %s: the padded %s runs eagerly (%s); its padded rows would cost more eagerly than "
+                    "the code as written, so the frame is compiled again without dynamic_padding",
                     self.name, fallen.describe(), fallen.broken)
         record("padding_withdrawn", fallen.name, fallen.broken, once=True)
+        if self.runtime is not None:
+            self.runtime.release()
         self.run = build()
         self.runtime = getattr(self.run, "runtime", None)
