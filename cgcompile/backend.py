@@ -111,8 +111,9 @@ def plan_and_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     if not padded or config.cuda_graph_impl != CudaGraphImpl.LOCAL:
         return run
     unpadded = dataclasses.replace(config, dynamic_padding=DynamicPadding.OFF, dynamic_padding_buckets=())
-    return UnpaddedOnFallback(run, padded, lambda: plan_and_compile(unpadded_gm, example_inputs, unpadded,
-                                                                    next(_graph_counter), root),
+    # planned at the switch from that call's arguments, as ScopedFrame plans a scope: no first call's tensor kept
+    return UnpaddedOnFallback(run, padded, lambda args: plan_and_compile(unpadded_gm, args, unpadded,
+                                                                         next(_graph_counter), root),
                               f"graph {graph_plan.index}")
 
 

@@ -24,24 +24,24 @@ log = logging.getLogger("cgcompile")
 
 class UnpaddedOnFallback:
     """Runs the padded frame `run` until one of its padded partitions' runners (`padded`, names) has fallen back,
-    then the frame `compile_unpadded()` builds (once), from then on."""
+    then the frame `compile_unpadded(args)` builds (once, from that call's arguments), from then on."""
 
-    def __init__(self, run: Callable[..., Any], padded: Sequence[str], compile_unpadded: Callable[[], Callable],
-                 name: str):
+    def __init__(self, run: Callable[..., Any], padded: Sequence[str],
+                 compile_unpadded: Callable[[Sequence[Any]], Callable], name: str):
         self.run = run
         self.runtime = getattr(run, "runtime", None)
         self.name = name
         self.padded = [r for r in (self.runtime.runners() if self.runtime is not None else ()) if r.name in padded]
-        self.compile_unpadded: Optional[Callable[[], Callable]] = compile_unpadded
+        self.compile_unpadded: Optional[Callable[[Sequence[Any]], Callable]] = compile_unpadded
 
     def __call__(self, *args: Any) -> Any:
         if self.compile_unpadded is not None:
             fallen = next((r for r in self.padded if r.broken is not None), None)
             if fallen is not None:
-                self._withdraw(fallen)
+                self._withdraw(fallen, args)
         return self.run(*args)
 
-    def _withdraw(self, fallen: Any) -> None:
+    def _withdraw(self, fallen: Any, args: Sequence[Any]) -> None:
         """Log, count, drop the padded frame's graphs (a pending backward of one runs eagerly: ModelRuntime.release)
         and build the unpadded frame."""
         build, self.compile_unpadded, self.padded = self.compile_unpadded, None, []
@@ -51,5 +51,5 @@ class UnpaddedOnFallback:
         record("padding_withdrawn", fallen.name, fallen.broken, once=True)
         if self.runtime is not None:
             self.runtime.release()
-        self.run = build()
+        self.run = build(args)
         self.runtime = getattr(self.run, "runtime", None)
