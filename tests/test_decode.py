@@ -2,6 +2,7 @@
 writes go to buffers, and greedy decode matches eager token for token (emulate driver; CUDA in tests/gpu)."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -67,10 +68,13 @@ def inductor_requests(monkeypatch):
 
 
 @pytest.mark.parametrize("inner", INNER_COMPILERS)
-def test_decode_matches_eager_over_16_steps(inner, inductor_requests):
-    graphs, st = assert_decode_matches_eager(dict(OPTIONS, driver="emulate", inner_compiler=inner),
-                                             exact=inner != "inductor")
+def test_decode_matches_eager_over_16_steps(inner, inductor_requests, caplog):
+    with caplog.at_level(logging.INFO, logger="cgcompile"):
+        graphs, st = assert_decode_matches_eager(dict(OPTIONS, driver="emulate", inner_compiler=inner),
+                                                 exact=inner != "inductor")
     assert set(inductor_requests) == {inner == "inductor"}  # auto: Inductor only where the cuda driver captures
+    resolved = "inductor" if inner == "inductor" else "eager"
+    assert any(f"(driver emulate, inner compiler {resolved})" in r.getMessage() for r in caplog.records)
     (graph,) = graphs
     assert len(graph.captured) == 1 and len(graph.partitions) == 1
     warmup = 3

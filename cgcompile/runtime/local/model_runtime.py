@@ -116,9 +116,10 @@ class ModelRuntime:
         rows = self.partition_stats()
         bank = ", ".join(f"{row['partition']} {row['calls']}/{row['replays']}/{row['captures']}/{row['misses']}"
                          for row in rows)
-        log.info("cgcompile: captured %d graphs in %.1f s%s (driver %s); reuse after warmup so far %.0f%%; graph bank "
-                 "per partition, calls/replays/captures/misses (stats()['partitions']): %s", wave["graphs"],
-                 wave["seconds"], memory, self.driver.name, 100 * reuse(rows), bank)
+        inner = "inductor" if self.config.fuses_with_inductor(self.driver.name) else "eager"
+        log.info("cgcompile: captured %d graphs in %.1f s%s (driver %s, inner compiler %s); reuse after warmup so far "
+                 "%.0f%%; graph bank per partition, calls/replays/captures/misses (stats()['partitions']): %s",
+                 wave["graphs"], wave["seconds"], memory, self.driver.name, inner, 100 * reuse(rows), bank)
 
     def release(self) -> None:
         """Drop every graph, the pool and the driver's stream (cgcompile.release()); the partitions warm up and
