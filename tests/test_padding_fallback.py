@@ -14,7 +14,7 @@ from cgcompile.backend import record_plans
 from cgcompile.runtime.drivers.emulate import EmulateDriver
 from cgcompile.runtime.drivers.timing import Timer
 from tests.models import MODELS
-from tests.padding_run import padding_options, train_like_eager
+from tests.padding_run import padding_options
 
 
 class PaddedReplaysSlow(Timer):
@@ -31,45 +31,20 @@ class PaddedReplaysSlow(Timer):
 
 
 def test_a_padded_partition_that_does_not_pay_leaves_its_frame_unpadded(monkeypatch, caplog):
+    """Four forwards, then one backward through all, every step. The switch falls on a forward after the first of
+    its step, with forwards of the padded frame still waiting for their backward (its graphs released: they run
+    eagerly); every step's gradients are eager's; the unpadded frame's graphs are captured and replayed."""
     spec = MODELS["moe_mask"]
     model = spec.make()
     reference = copy.deepcopy(model)
+    switched_at = None
     with torch._dynamo.config.patch(spec.dynamo_flags()), record_plans() as rec, \
             caplog.at_level(logging.WARNING, logger="cgcompile"):
         monkeypatch.setattr(EmulateDriver, "timer", PaddedReplaysSlow(rec.graphs))
         compiled = torch.compile(model, backend="cudagraph_modules",
                                  options=padding_options("max", measure_benefit="on"))
         cgcompile.reset_stats()
-        train_like_eager(spec, model, compiled, reference, steps=14)
-    padded_plan, unpadded_plan = [g for g in rec.graphs if g.training]
-    padded = {f"graph {padded_plan.index} submod_{p.id}" for p in padded_plan.partitions if p.padding}
-    assert padded and not any(p.padding for p in unpadded_plan.partitions)
-    assert "dynamic_shape" in {r.category for p in unpadded_plan.partitions for r in p.reasons}  # rows eager again
-    st = cgcompile.stats()
-    (withdrawn,) = st["padding_withdrawn"]
-    assert withdrawn["partition"] in padded and withdrawn["reason"].startswith("not_profitable")
-    assert sum("compiled again without dynamic_padding" in r.getMessage() for r in caplog.records) == 1
-    # the unpadded frame's partitions are captured, pay, and are replayed again after their capture
-    rows = [r for r in st["partitions"] if r["partition"].startswith(f"graph {unpadded_plan.index} ")]
-    assert rows and all(r["fallback"] is None for r in rows) and max(r["replays"] for r in rows) > 4
-    # and the padded frame holds no graph any more
-    assert {g["label"].split(" submod")[0] for g in st["graphs"]} == {f"graph {unpadded_plan.index}"}
-
-
-def test_a_switch_between_forwards_leaves_their_pending_backward_exact(monkeypatch):
-    """Four forwards, then one backward through all, every step: the switch falls on a forward after the first
-    of its step, with forwards of the padded frame still waiting for their backward (its graphs released: they
-    run eagerly), and every step's gradients are eager's."""
-    spec = MODELS["moe_mask"]
-    model = spec.make()
-    reference = copy.deepcopy(model)
-    with torch._dynamo.config.patch(spec.dynamo_flags()), record_plans() as rec:
-        monkeypatch.setattr(EmulateDriver, "timer", PaddedReplaysSlow(rec.graphs))
-        compiled = torch.compile(model, backend="cudagraph_modules",
-                                 options=padding_options("max", measure_benefit="on"))
-        cgcompile.reset_stats()
-        switched_at = None
-        for step in range(6):
+        for step in range(8):
             batches = [spec.example_inputs(seed=10 * step + i)[0] for i in range(4)]
             outs = []
             for i, tokens in enumerate(batches):
@@ -83,4 +58,16 @@ def test_a_switch_between_forwards_leaves_their_pending_backward_exact(monkeypat
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"{name}, step {step}")
             model.zero_grad(), reference.zero_grad()
     assert switched_at is not None and switched_at[1] > 0  # a padded frame's backward was pending at the switch
-    assert len([g for g in rec.graphs if g.training]) == 2
+    padded_plan, unpadded_plan = [g for g in rec.graphs if g.training]
+    padded = {f"graph {padded_plan.index} submod_{p.id}" for p in padded_plan.partitions if p.padding}
+    assert padded and not any(p.padding for p in unpadded_plan.partitions)
+    assert "dynamic_shape" in {r.category for p in unpadded_plan.partitions for r in p.reasons}  # rows eager again
+    st = cgcompile.stats()
+    (withdrawn,) = st["padding_withdrawn"]
+    assert withdrawn["partition"] in padded and withdrawn["reason"].startswith("not_profitable")
+    assert sum("compiled again without dynamic_padding" in r.getMessage() for r in caplog.records) == 1
+    # the unpadded frame's partitions are captured, pay, and are replayed again after their capture
+    rows = [r for r in st["partitions"] if r["partition"].startswith(f"graph {unpadded_plan.index} ")]
+    assert rows and all(r["fallback"] is None for r in rows) and max(r["replays"] for r in rows) > 4
+    # and the padded frame holds no graph any more
+    assert {g["label"].split(" submod")[0] for g in st["graphs"]} == {f"graph {unpadded_plan.index}"}
