@@ -103,9 +103,9 @@ def test_a_single_graph_frame_whose_parameter_moved_is_captured_again():
     """One graph in the frame's shared pool, its output kept (clone_outputs off), the parameter moves before the
     graph was used twice: the re-capture goes to the same token, whose only graph was just dropped."""
     model = torch.nn.Linear(16, 16).cuda()
-    run = torch.compile(model, backend="cudagraph_modules",
-                        options={"driver": "cuda", "cuda_graph_warmup_steps": 1, "clone_outputs": False, "inner_compiler": "eager",
-                                     "min_partition_ops": 1})  # one linear: captured, not left eager as too small
+    run = torch.compile(model, backend="cudagraph_modules",  # min_partition_ops 1: one linear captured, not too small
+                        options={"driver": "cuda", "cuda_graph_warmup_steps": 1, "clone_outputs": False,
+                                 "inner_compiler": "eager", "min_partition_ops": 1})
     cgcompile.reset_stats()
     x = torch.randn(4, 16, device="cuda")
     with torch.no_grad():

@@ -425,7 +425,7 @@ class BankEntry:
         self.batch = part.arenas.batch_of(args)  # capture_sizes: the (padded) batch of this signature
         with preserved_global_state():  # tracing runs the partition's grad-mode/vmap switches for real
             self.fn = _compat.aot_compile(part.traced, args, self._family,
-                                          inductor=part.config.fuses_with_inductor(part.driver.name))
+                                          inductor=part.inductor)
 
     def _family(self, kind: str, run: Callable[[list], Any], gm: fx.GraphModule,
                 direct: Optional[tuple]) -> Callable[[list], Any]:
@@ -434,7 +434,7 @@ class BankEntry:
             self.bumps = direct
             if direct:  # the arguments whose versions a call bumps, in one C call
                 self.bumped = at_positions(direct)
-        inductor = self.part.config.fuses_with_inductor(self.part.driver.name)  # it reinplaces writes, lays out its buffers
+        inductor = self.part.inductor  # it reinplaces writes, lays out its buffers
         if not inductor:
             write_inputs_in_place(gm)  # `run` calls gm: a buffer's write in place, not three copies of the buffer
             write_intermediates_in_place(gm)  # and an intermediate's: one kernel, not a copy and the write

@@ -70,6 +70,7 @@ class PartitionRunner:
         self.runtime = runtime
         self.config = runtime.config
         self.driver = driver
+        self.inductor = self.config.fuses_with_inductor(driver.name)  # Inductor compiles its graphs before capture
         self.container, self.traced = as_tuple  # (container of submod's result, a tuple-returning copy for aot)
         self.bank: Dict[Any, BankEntry] = {}
         self.broken: Optional[str] = None
