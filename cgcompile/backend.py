@@ -33,7 +33,7 @@ from .runtime.release import release
 from .runtime.frame.te import TEFrame, resolve_graphing_fn
 from .runtime.frame.unpadded import UnpaddedOnFallback
 from .runtime.frame.verify import VerifiedPartition
-from .plan import GraphPlan
+from .plan import GraphPlan, submodule_name
 from .rewrites.shared_inputs import share_inputs
 from .scope import LayerScope, ScopedFrame, scope_config
 from .split import call_directly, copy_graph_module, plain_forward, replace_submodule, split
@@ -107,7 +107,7 @@ def plan_and_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     if config.cuda_graph_impl == CudaGraphImpl.FULL_ITERATION:
         check_one_graph(gm, graph_plan)
     run = compile_frame(gm, example_inputs, graph_plan, config)
-    padded = [f"graph {graph_plan.index} submod_{p.id}" for p in graph_plan.partitions if p.captured and p.padding]
+    padded = [graph_plan.runner_name(p) for p in graph_plan.partitions if p.captured and p.padding]
     if not padded or config.cuda_graph_impl != CudaGraphImpl.LOCAL:
         return run
     unpadded = dataclasses.replace(config, dynamic_padding=DynamicPadding.OFF, dynamic_padding_buckets=())
@@ -150,7 +150,7 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
     by_name = {n.name: n for n in gm.graph.nodes}
     split_gm = split(gm, graph_plan)
     captured = [p for p in graph_plan.partitions if p.captured]
-    names = [f"submod_{p.id}" for p in captured]
+    names = [submodule_name(p.id) for p in captured]
     if config.cuda_graph_impl == CudaGraphImpl.TRANSFORMER_ENGINE:
         graphing_fn, te_options = resolve_graphing_fn(config.te)
         return TEFrame(split_gm, names, graphing_fn, te_options, config.cuda_graph_warmup_steps,
@@ -158,16 +158,17 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
 
     for name, partition in zip(names, captured):
         submod = getattr(split_gm, name)
+        runner_name = graph_plan.runner_name(partition)
         inputs = [n for n in submod.graph.nodes if n.op == "placeholder"]
         first = partition.reasons[0].location if partition.reasons else None
         wrapped = compile_partition(
-            submod, [n.meta.get("example_value") for n in inputs], name=f"graph {graph_plan.index} {name}",
+            submod, [n.meta.get("example_value") for n in inputs], name=runner_name,
             static_input_indices=[i for i, n in enumerate(inputs) if n.name in static_names], runtime=runtime,
             location=first or _first_location(submod), frame=frame_name(submod),
             input_names=[input_description(by_name[n.name]) if n.name in by_name else n.name for n in inputs],
             batch_symbol=graph_plan.batch_symbol if graph_plan.batch_boundary is not None else None)
         if config.verify:
-            wrapped = VerifiedPartition(wrapped, submod, f"graph {graph_plan.index} {name}", config.verify,
+            wrapped = VerifiedPartition(wrapped, submod, runner_name, config.verify,
                                         skip=config.cuda_graph_warmup_steps)
         if wrapped is not submod:
             replace_submodule(split_gm, name, wrapped)

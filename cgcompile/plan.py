@@ -18,6 +18,11 @@ LAYER_SCOPE, BLOCK_SCOPE = "layer", "block"
 OFF_SCOPE = "off"  # graphs of a kind the config does not capture (e.g. no-grad graphs with inference scope none)
 
 
+def submodule_name(partition_id: int) -> str:
+    """The split graph's submodule of a partition (split.py; torch.fx's split_module names them so)."""
+    return f"submod_{partition_id}"
+
+
 @dataclass
 class Partition:
     """A contiguous run of nodes that is either captured as one graph or run eagerly."""
@@ -76,6 +81,10 @@ class GraphPlan:
     @property
     def captured(self) -> List[Partition]:
         return [p for p in self.partitions if p.captured]
+
+    def runner_name(self, partition: Partition) -> str:
+        """What logs, stats() and the runtime call a captured partition of this graph: "graph 0 submod_3"."""
+        return f"graph {self.index} {submodule_name(partition.id)}"
 
     def to_json(self) -> dict:
         return {"index": self.index, "scope": self.scope, "device": self.device, "training": self.training,

@@ -145,7 +145,7 @@ def test_tag_megatron_gpt_trains_like_eager_and_replays_attention_and_router():
     stats = cgcompile.stats()
     assert stats["eager_fallbacks"] == []
     # the partitions planned "capture" for each selected tag, replayed forward and backward (reuse, not captures)
-    label_tags = {f"graph {g.index} submod_{p.id}": set(p.tags) for g in plans.graphs for p in g.partitions
+    label_tags = {g.runner_name(p): set(p.tags) for g in plans.graphs for p in g.partitions
                   if p.captured}
     replayed = {(tag, graph.kind) for runtime in live_runtimes() for graph in runtime.live_graphs()
                 if graph.replays > 0 for tag in label_tags.get(graph.partition, ())}

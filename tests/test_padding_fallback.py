@@ -25,7 +25,7 @@ class PaddedReplaysSlow(Timer):
         self.plans = plans
 
     def measure(self, fn, args, partition, phase):
-        padded = {f"graph {g.index} submod_{p.id}" for g in self.plans for p in g.partitions if p.padding}
+        padded = {g.runner_name(p) for g in self.plans for p in g.partitions if p.padding}
         seconds = 1e-3 if phase.startswith("eager") else (2e-3 if partition in padded else 1e-4)
         return fn(args), seconds
 
@@ -59,7 +59,7 @@ def test_a_padded_partition_that_does_not_pay_leaves_its_frame_unpadded(monkeypa
             model.zero_grad(), reference.zero_grad()
     assert switched_at is not None and switched_at[1] > 0  # a padded frame's backward was pending at the switch
     padded_plan, unpadded_plan = [g for g in rec.graphs if g.training]
-    padded = {f"graph {padded_plan.index} submod_{p.id}" for p in padded_plan.partitions if p.padding}
+    padded = {padded_plan.runner_name(p) for p in padded_plan.partitions if p.padding}
     assert padded and not any(p.padding for p in unpadded_plan.partitions)
     assert "dynamic_shape" in {r.category for p in unpadded_plan.partitions for r in p.reasons}  # rows eager again
     st = cgcompile.stats()

@@ -8,7 +8,7 @@ every buffer and the thread's global state after each call must match. This is t
 grad mode leaking out of a partition, a vmap level cut in two, a capture that draws random numbers and
 overload-blind op tags.
 
-CI runs a fixed, derandomized set of examples (CGCOMPILE_FUZZ_EXAMPLES, default 200: about half a second each);
+CI runs a fixed, derandomized set of examples (CGCOMPILE_FUZZ_EXAMPLES, default 120: under a second each);
 `make test-nightly` runs many more with fresh randomness.
 """
 
@@ -30,7 +30,7 @@ from cgcompile.runtime.drivers.thread_state import GlobalState
 
 D = 8
 NIGHTLY = os.environ.get("CGCOMPILE_FUZZ_NIGHTLY") == "1"
-EXAMPLES = int(os.environ.get("CGCOMPILE_FUZZ_EXAMPLES", "1000" if NIGHTLY else "200"))
+EXAMPLES = int(os.environ.get("CGCOMPILE_FUZZ_EXAMPLES", "1000" if NIGHTLY else "120"))
 
 
 class Block(nn.Module):

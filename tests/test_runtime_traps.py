@@ -146,7 +146,7 @@ def assert_captured():
 
 def partition_name(plan, partition) -> str:
     """The name the backend gives a captured partition (stats, warnings)."""
-    return f"graph {plan.index} submod_{partition.id}"
+    return plan.runner_name(partition)
 
 
 # --- traps ---------------------------------------------------------------------------------------------------

@@ -258,5 +258,8 @@ def test_unclassified_sync_op_falls_back(caplog):
     (plan,) = rec.graphs
     s = stats()
     assert [f["partition"] for f in s["eager_fallbacks"]] == [partition_name(plan, plan.partitions[0])]
-    assert s["graphs_captured"] > 0 and s["steady_replays"] > 0  # the other partition is captured and replayed
-    assert sum("runs eagerly" in r.getMessage() for r in caplog.records) == 1
+    # the other partition is captured and replayed; on failure the message says per partition what happened
+    # (the H200 run of 2026-11-28 saw 4 captures and no replay, which the emulate twin does not reproduce)
+    seen = {k: s[k] for k in ("graphs_captured", "steady_replays", "partitions", "recaptures", "bank_stops")}
+    assert s["graphs_captured"] > 0 and s["steady_replays"] > 0, seen
+    assert sum("runs eagerly" in r.getMessage() for r in caplog.records) == 1, [r.getMessage() for r in caplog.records]
