@@ -96,10 +96,11 @@ def cudagraph_modules(gm: fx.GraphModule, example_inputs: List[Any], options: Op
 def plan_and_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGraphConfig, index: int,
                      root: Any) -> Callable[..., Any]:
     """Plan one Dynamo graph (mutating it), tell the plan listeners and the log, compile it."""
+    # dynamic_padding rewrites gm: the graph as Dynamo gave it is kept for a local frame that gives padding up
+    unpadded_gm = copy_graph_module(gm) if config.dynamic_padding is not DynamicPadding.OFF \
+        and config.cuda_graph_impl == CudaGraphImpl.LOCAL else None
     # a submodule's frame is a fragment of the model (Dynamo broke around it): it may hold none of the
     # selected tags (a decoder layer's attention half when "moe" is selected), so only whole frames are checked
-    # dynamic_padding rewrites gm: the graph as Dynamo gave it is kept for a frame that gives padding up
-    unpadded_gm = copy_graph_module(gm) if config.dynamic_padding is not DynamicPadding.OFF else None
     graph_plan = make_plan(gm, example_inputs, config, index, validate_tags=root is None)
     for listener in getattr(_listeners, "stack", ()):
         listener.graphs.append(graph_plan)
@@ -108,7 +109,7 @@ def plan_and_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
         check_one_graph(gm, graph_plan)
     run = compile_frame(gm, example_inputs, graph_plan, config)
     padded = [graph_plan.runner_name(p) for p in graph_plan.partitions if p.captured and p.padding]
-    if not padded or config.cuda_graph_impl != CudaGraphImpl.LOCAL:
+    if not padded or unpadded_gm is None:
         return run
     unpadded = dataclasses.replace(config, dynamic_padding=DynamicPadding.OFF, dynamic_padding_buckets=())
     # planned at the switch from that call's arguments, as ScopedFrame plans a scope: no first call's tensor kept

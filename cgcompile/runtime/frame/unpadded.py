@@ -31,7 +31,8 @@ class UnpaddedOnFallback:
         self.run = run
         self.runtime = getattr(run, "runtime", None)
         self.name = name
-        self.padded = [r for r in (self.runtime.runners() if self.runtime is not None else ()) if r.name in padded]
+        by_name = {r.name: r for r in (self.runtime.runners() if self.runtime is not None else ())}
+        self.padded = [by_name[name] for name in padded if name in by_name]  # plan order: one withdrawal reason
         self.compile_unpadded: Optional[Callable[[Sequence[Any]], Callable]] = compile_unpadded
 
     def __call__(self, *args: Any) -> Any:

@@ -58,7 +58,8 @@ class ModelRuntime:
         self._summary_logged = False
         self._progress: Optional[_Progress] = None
         self._live: Dict[int, GraphInstance] = {}  # id -> captured graph alive now, in capture order
-        self._runners: "weakref.WeakSet[Any]" = weakref.WeakSet()  # PartitionRunners using this runtime
+        # PartitionRunners using this runtime, in the order they were added (a WeakSet's order follows addresses)
+        self._runners: "weakref.WeakKeyDictionary[Any, None]" = weakref.WeakKeyDictionary()
         self.dead: List[Tuple[Any, GraphInstance]] = []  # (runner, graph) whose parameters were freed: released next call
         releases.register(self)
 
@@ -173,7 +174,7 @@ class ModelRuntime:
 
     def add_runner(self, runner: Any) -> None:
         """A PartitionRunner on this runtime: release() forgets its graphs too."""
-        self._runners.add(runner)
+        self._runners[runner] = None
 
     # internal -------------------------------------------------------------------------------------------
 
