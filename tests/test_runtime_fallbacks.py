@@ -1,0 +1,81 @@
+"""Captures that cannot be used fall back, logged once, and training goes on exactly: a parameter moved to a new
+address (recaptured), the graph bank's cap reached (eager), a capture that fails (eager). The small models and
+helpers of test_runtime_traps.py, through the real backend with the emulate driver."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cgcompile import reset_stats, stats
+from cgcompile.runtime.drivers import base as driver_mod
+from cgcompile.runtime.drivers import emulate as emulate_driver
+from cgcompile.runtime.drivers import select as drivers_mod
+from tests.test_runtime_traps import assert_close, batch, compiled, grads, twins
+
+
+@pytest.fixture(autouse=True)
+def clean_stats():
+    reset_stats()
+    yield
+
+
+def test_param_address_change_recaptures():
+    ref, model = twins()
+    cmodel = compiled(model)
+    for step in range(4):
+        x, _ = batch(step)
+        assert_close(cmodel(x), ref(x))
+    with torch.no_grad():
+        for m in (model, ref):
+            m.head.weight.mul_(2)
+    model.head.weight.data = model.head.weight.data.clone()  # same values, new address
+    x, _ = batch(9)
+    assert_close(cmodel(x), ref(x))
+    s = stats()
+    assert len(s["recaptures"]) == 1 and "moved" in s["recaptures"][0]["reason"]
+
+
+def test_graph_bank_cap_falls_back_to_eager(caplog):
+    ref, model = twins()
+    cmodel = compiled(model, max_graphs_per_partition=1, clone_outputs=False)
+    kept = []
+    with caplog.at_level(logging.WARNING, logger="cgcompile"):
+        for step in range(4):
+            x, _ = batch(step)
+            kept.append((cmodel(x), ref(x)))  # held outputs keep instance 0 busy
+    for out, expected in kept:
+        assert_close(out, expected)
+    s = stats()
+    assert s["eager_fallbacks"] and all("max_graphs_per_partition=1" in f["reason"] for f in s["eager_fallbacks"])
+    cap_warnings = [r for r in caplog.records if "max_graphs_per_partition" in r.getMessage()]
+    assert len(cap_warnings) == len({f["partition"] for f in s["eager_fallbacks"]})
+
+
+class _FailingDriver(emulate_driver.EmulateDriver):
+    def capture(self, fn, static_inputs, pool=None, **options):
+        raise driver_mod.CaptureError("injected failure")
+
+
+def test_injected_capture_failure_falls_back(caplog, monkeypatch):
+    ref, model = twins()
+    monkeypatch.setattr(drivers_mod, "EmulateDriver", _FailingDriver)
+    cmodel = compiled(model)
+    with caplog.at_level(logging.WARNING, logger="cgcompile"):
+        for step in range(4):
+            model.zero_grad(), ref.zero_grad()
+            x, y = batch(step)
+            F.mse_loss(cmodel(x), y).backward()
+            F.mse_loss(ref(x), y).backward()
+            for a, b in zip(grads(model), grads(ref)):
+                assert_close(a, b)
+    s = stats()
+    assert s["graphs_captured"] == 0
+    names = [f["partition"] for f in s["eager_fallbacks"]]
+    assert names and len(names) == len(set(names))
+    warnings = [r for r in caplog.records if "injected failure" in r.getMessage()]
+    assert len(warnings) == len(names)
+    assert all("test_runtime_traps.py:" in r.getMessage() for r in warnings)  # names the model code's location
