@@ -16,6 +16,8 @@ def stats() -> Dict[str, Any]:
     hold together (each arena once), `graph_memory`: that total by kind (static inputs copied in, outputs the
     backward reads, other outputs, arenas, pool), and `partitions`: per captured partition its graph-bank accounting (calls,
     replays, misses, captures, ...; kept by the partition since it was created or released, not reset here).
+    Rows of `graphs` and `partitions` come frame by frame in compile order; a frame's partitions in its plan's
+    order, its graphs in capture order.
     The docs' "Understanding the plan" page lists every key; "Graph bank and memory" explains the rows."""
     partitions = partition_stats()  # first: it counts the steady replays a partition has not counted yet
     snapshot = counters.snapshot()

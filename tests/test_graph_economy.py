@@ -223,3 +223,21 @@ def test_over_a_long_decode_run_every_live_graph_is_replayed_within_the_policy_w
     assert marks[-1] and graph_window.unused_graphs(marks) == [], marks[-1]
     assert len(st["graphs"]) == st["graphs_captured"] and st["eager_fallbacks"] == [], st["graphs"]
     assert all(g["replays"] >= 60 - 2 for g in st["graphs"]), st["graphs"]  # all but the warmup and capture steps
+
+
+def test_stats_lists_the_partitions_in_the_order_their_frames_were_compiled():
+    """stats()["partitions"] and ["graphs"]: one frame's rows after another's, in compile order, the same on every run
+    (they were in the order of the runtimes' addresses). Four widths: four frames (dynamic=False)."""
+    torch._dynamo.reset()
+    cgcompile.reset_stats()
+    widths = (8, 16, 24, 32)
+    runs = [torch.compile(nn.Sequential(nn.Linear(w, w), nn.GELU(), nn.Linear(w, w)), backend="cudagraph_modules",
+                          options=OPTIONS, dynamic=False) for w in widths]
+    with torch.no_grad():
+        for _ in range(3):
+            for w, run in zip(widths, runs):
+                run(torch.randn(4, w))
+    st = cgcompile.stats()
+    for rows in (st["partitions"], st["graphs"]):
+        frames = [int(row["partition"].split()[1]) for row in rows]
+        assert len(set(frames)) == 4 and frames == sorted(frames), frames

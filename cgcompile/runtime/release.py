@@ -17,12 +17,14 @@ import torch
 
 __all__ = ["graph_memory", "held_bytes", "holders", "register", "release"]
 
-_holders: "weakref.WeakSet[Any]" = weakref.WeakSet()  # objects with release() (and maybe graph_memory())
+# objects with release() (and maybe graph_memory()), in the order registered: stats() and graph_memory() list
+# their rows in that order (a WeakSet's order follows addresses, which change from run to run)
+_holders: "weakref.WeakKeyDictionary[Any, None]" = weakref.WeakKeyDictionary()
 
 
 def register(holder: Any) -> Any:
     """Track an object that holds graphs (ModelRuntime, CapturedStep, TEFrame) for release()."""
-    _holders.add(holder)
+    _holders[holder] = None
     return holder
 
 
