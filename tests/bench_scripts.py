@@ -1,4 +1,5 @@
-"""Running and loading the benchmark scripts from tests (tests/test_benchmarks.py, tests/test_benchmark_kernels.py)."""
+"""Running and loading the benchmark scripts from tests (tests/test_benchmarks.py, tests/test_benchmarks_gpu.py,
+tests/test_benchmark_kernels.py)."""
 
 import importlib.util
 import os
