@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from cgcompile import reset_stats, stats
+from cgcompile.backend import record_plans
 from cgcompile.runtime.drivers import base as driver_mod
 from cgcompile.runtime.drivers import emulate as emulate_driver
 from cgcompile.runtime.drivers import select as drivers_mod
@@ -79,3 +80,45 @@ def test_injected_capture_failure_falls_back(caplog, monkeypatch):
     warnings = [r for r in caplog.records if "injected failure" in r.getMessage()]
     assert len(warnings) == len(names)
     assert all("test_runtime_traps.py:" in r.getMessage() for r in warnings)  # names the model code's location
+
+
+KEPT_GRAD_HISTORY = [(0, 0), (2, 0), (2, 2), (2, 2), (2, 4), (2, 6)]
+
+
+def train_keeping_a_grad(cmodel, model, ref, make_x, close, steps=6):
+    """Train `cmodel` (compiled `model`) beside `ref` as a loop that checks its grads does, the loop variable `a`
+    alive into the next step; (graphs captured, steady replays) after each step. The GPU twin runs it too."""
+    history = []
+    for step in range(steps):
+        x = make_x(step)
+        model.zero_grad(), ref.zero_grad()
+        out, expected = cmodel(x), ref(x)
+        close(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
+        for a, b in zip(grads(model), grads(ref)):  # `a` stays alive into the next step
+            close(a, b)
+        s = stats()
+        history.append((s["graphs_captured"], s["steady_replays"]))
+    return history
+
+
+def test_sync_fallback_beside_a_training_partition_whose_grad_the_loop_keeps(caplog):
+    """The loop of tests/gpu's sync-fallback test, step by step: partition a holds an unclassified sync and runs
+    eagerly from its failed capture on; b trains through one instance while the loop's last `a` (a grad of b's
+    backward graph once it hands grads out to be stolen, from step 2) lives into the next step. Step 3 finds that
+    graph held, runs eagerly once and copies its grads out from then on; steps 4 and 5 replay it: no second
+    instance. (The H200 run of 2026-11-28 captured 4 graphs and replayed none by step 3: a second instance where
+    this twin learns, not reproduced without a GPU.)"""
+    from tests.test_runtime_traps import SYNCING_TAGS, Syncing, partition_name, tag_syncing
+
+    ref, model = twins(Syncing)
+    cmodel = compiled(tag_syncing(model), cuda_graph_modules=list(SYNCING_TAGS.values()), measure_benefit="off")
+    with caplog.at_level(logging.WARNING, logger="cgcompile"), record_plans() as rec:
+        history = train_keeping_a_grad(cmodel, model, ref, lambda step: batch(step, (3, 4))[0], assert_close)
+    # (graphs captured, steady replays) after each step: b's forward and backward captured at step 1, replayed at
+    # step 2, eager at step 3 (the kept grad), replayed at 4 and 5
+    assert history == KEPT_GRAD_HISTORY, history
+    (plan,) = rec.graphs
+    assert [f["partition"] for f in stats()["eager_fallbacks"]] == [partition_name(plan, plan.partitions[0])]
+    assert sum("runs eagerly" in r.getMessage() for r in caplog.records) == 1

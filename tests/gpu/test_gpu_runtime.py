@@ -18,6 +18,7 @@ from cgcompile.backend import record_plans
 from tests.test_runtime_traps import (SYNCING_TAGS, TIED_TAGS, Net, Syncing, Tied, batch, compiled, grads,
                                       is_static, partition_name, tag_syncing, tag_tied)
 from tests.test_runtime_traps import runtimes  # noqa: F401  (a pytest fixture, used by name)
+from tests.test_runtime_fallbacks import KEPT_GRAD_HISTORY, train_keeping_a_grad
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -239,27 +240,22 @@ def test_weight_tying_and_param_address_change():
 
 
 def test_unclassified_sync_op_falls_back(caplog):
-    """cgtest::host_sync calls .item() inside its kernel: invisible to every check, fatal to a real capture."""
+    """cgtest::host_sync calls .item() inside its kernel: invisible to every check, fatal to a real capture. The
+    loop of the CPU twin test_runtime_fallbacks.py::test_sync_fallback_beside_a_training_partition_whose_grad_the_
+    loop_keeps, whose step-by-step history it asserts too."""
     ref, model = twins(Syncing)
     # The benefit rule (on by default with the cuda driver) would time the first replays on the full path and
     # might judge a (3, 4) partition not worth its graph: off, so this test is about the sync alone.
     cmodel = compiled(tag_syncing(model), cuda_graph_modules=list(SYNCING_TAGS.values()), driver="cuda",
                       measure_benefit="off")
     with caplog.at_level(logging.WARNING, logger="cgcompile"), record_plans() as rec:
-        for step in range(4):
-            x = gbatch(step, (3, 4))[0]
-            model.zero_grad(), ref.zero_grad()
-            out, expected = cmodel(x), ref(x)
-            close(out, expected)
-            out.sum().backward()
-            expected.sum().backward()
-            for a, b in zip(grads(model), grads(ref)):
-                close(a, b)
+        history = train_keeping_a_grad(cmodel, model, ref, lambda step: gbatch(step, (3, 4))[0], close)
     (plan,) = rec.graphs
     s = stats()
     assert [f["partition"] for f in s["eager_fallbacks"]] == [partition_name(plan, plan.partitions[0])]
-    # the other partition is captured and replayed; on failure the message says per partition what happened
-    # (the H200 run of 2026-11-28 saw 4 captures and no replay, which the emulate twin does not reproduce)
+    # the other partition is captured once and replayed; on failure the message says per partition what happened
+    # (the H200 run of 2026-11-28, 4 steps, saw 4 captures and no replay; the emulate twin captures 2 graphs and
+    # runs step 3 eagerly once, the loop's kept grad found holding the backward graph)
     seen = {k: s[k] for k in ("graphs_captured", "steady_replays", "partitions", "recaptures", "bank_stops")}
-    assert s["graphs_captured"] > 0 and s["steady_replays"] > 0, seen
+    assert history == KEPT_GRAD_HISTORY, (history, seen)
     assert sum("runs eagerly" in r.getMessage() for r in caplog.records) == 1, [r.getMessage() for r in caplog.records]
