@@ -303,10 +303,11 @@ def print_lean_step(quick: bool) -> None:
     eager one's (issue 36). Quick: 2 layers, and the Inductor row left out (its C++ compile takes minutes here)."""
     import replay_cost
 
-    layers, steps, repeats = (2, 20, 3) if quick else (8, 200, 7)
-    found = replay_cost.decode_step_times(layers=layers, steps=steps, repeats=repeats)
+    layers, rounds = (2, 60) if quick else (8, 2000)
+    found = replay_cost.decode_step_times(layers=layers, rounds=rounds)
     print(f"(g) lean step: {layers}-layer decode step in a real loop (a new position every step), host time per "
-          f"step, replays as launches, vs Dynamo's floor (a backend returning cached outputs), medians of {repeats}; "
+          f"step, replays as launches, vs Dynamo's floor (a backend returning cached outputs), medians of {rounds} "
+          f"rounds of 5 steps of each candidate in turn; "
           f"reference: a minimal backend copying the inputs in and cloning its outputs "
           f"{found['minimal'] * 1e6:.1f} us, {found['minimal'] / found['floor']:.2f}x")
     for scope, goal in LEAN_STEP_GOALS.items():
@@ -317,7 +318,7 @@ def print_lean_step(quick: bool) -> None:
         print("  inner_compiler inductor vs eager, per partition call: left out by --quick (Inductor's C++ compile)")
         return
     for scope in LEAN_STEP_GOALS:
-        times = replay_cost.inner_host_times(scope, layers=layers, calls=2000, repeats=repeats)
+        times = replay_cost.inner_host_times(scope, layers=layers, calls=2000, repeats=7)
         ratio = times["inductor"] / times["eager"]
         print(f"  inner_compiler inductor vs eager, {scope} scope, per partition call: {times['inductor'] * 1e6:.1f} "
               f"us vs {times['eager'] * 1e6:.1f} us: {ratio:.2f}x, goal <= {INNER_HOST_GOAL:.2f}x  "

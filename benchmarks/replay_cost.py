@@ -194,15 +194,18 @@ def inner_host_times(scope: str, layers: int = 8, calls: int = 2000, repeats: in
     return {inner: sum(times) / len(times) for inner, times in found.items()}
 
 
-def decode_step_times(scopes: Sequence[str] = ("layer", "block"), layers: int = 8, steps: int = 200,
-                      repeats: int = 7, inner: str = "eager") -> Dict[str, float]:
+def decode_step_times(scopes: Sequence[str] = ("layer", "block"), layers: int = 8, rounds: int = 2000,
+                      block: int = 5, inner: str = "eager") -> Dict[str, float]:
     """Host seconds per whole decode step in a real decode loop (each step at the next position with a new token
     tensor; emulated replays made no-ops, as a launch), per scope, and two references through Dynamo: "floor", a
     backend that returns the outputs of its first call (Dynamo's guards and frame call: what any backend pays),
     and "minimal", a backend that copies the step's non-parameter inputs into buffers of its own in one
     `_foreach_copy_` and returns clones of its first outputs (what any CUDA-graph backend that copies inputs in
-    and hands out outputs a next replay cannot overwrite pays at least). The candidates alternate repeat by
-    repeat; times are the process's CPU time."""
+    and hands out outputs a next replay cannot overwrite pays at least). Each round runs `block` steps of every
+    candidate, in turn (the order reversed every other round), and each candidate's time is the median over the
+    rounds of its block's process CPU time: a neighbour's load or a slow moment lands on all candidates alike
+    and on few samples (whole runs of 200 steps per candidate, timed apart, moved the ratio by up to 50% on a
+    shared machine)."""
     torch._dynamo.reset()
     model = kv_gpt.build(num_layers=layers).eval()
     (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
@@ -233,24 +236,27 @@ def decode_step_times(scopes: Sequence[str] = ("layer", "block"), layers: int = 
 
     generator = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, kv_gpt.VOCAB, (4, 1), generator=generator) for _ in range(16)]
+    span = model.max_seq - 8
+    done = dict.fromkeys(steps_of, 0)  # steps each candidate has run: its next step is at the next position
 
-    def loop(step: Callable[..., Any]) -> Callable[[], None]:
-        def run() -> None:
-            for i in range(steps):
-                step(tokens[i % len(tokens)], positions[8 + i % (model.max_seq - 8)])
-        return run
+    def run(name: str, steps: int) -> None:
+        step, first = steps_of[name], done[name]
+        for i in range(first, first + steps):
+            step(tokens[i % len(tokens)], positions[8 + i % span])
+        done[name] = first + steps
 
     samples: Dict[str, List[float]] = {name: [] for name in steps_of}
     with torch.no_grad():
         kv_gpt.prefill(model, prompt)
-        for step in steps_of.values():  # compile, warm up, capture, and the bank policy's first judgement
-            loop(step)()
+        for name in steps_of:  # compile, warm up, capture, and the bank policy's first judgement
+            run(name, 200)
+        order = list(steps_of)
         with replays_as_launches(), collector_paused():
-            for r in range(repeats):
-                for name in (list(steps_of) if r % 2 == 0 else list(reversed(steps_of))):
+            for r in range(rounds):
+                for name in (order if r % 2 == 0 else order[::-1]):
                     start = time.process_time()  # this process's CPU time: other sessions' load stays out
-                    loop(steps_of[name])()
-                    samples[name].append((time.process_time() - start) / steps)
+                    run(name, block)
+                    samples[name].append((time.process_time() - start) / block)
     return {name: statistics.median(found) for name, found in samples.items()}
 
 
