@@ -314,6 +314,10 @@ def print_lean_step(quick: bool) -> None:
         ratio = found[scope] / found["floor"]
         print(f"  {scope} scope: {found[scope] * 1e6:.1f} us vs floor {found['floor'] * 1e6:.1f} us: {ratio:.2f}x, "
               f"goal <= {goal:.2f}x  {judged(ratio, goal)}")
+    bound = found["layer bound"]
+    print(f"  layer scope's bound (its layers answered from a cache, the glue between them eager as the plan leaves "
+          f"it: what no runtime goes below): {bound * 1e6:.1f} us, {bound / found['floor']:.2f}x the floor; layer "
+          f"scope {found['layer'] / bound:.2f}x its bound")
     if quick:
         print("  inner_compiler inductor vs eager, per partition call: left out by --quick (Inductor's C++ compile)")
         return

@@ -32,7 +32,7 @@ from cgcompile.runtime.local import runner as partition_runner
 from cgcompile.runtime.drivers.emulate import EmulatedGraph
 from tests.models import kv_gpt
 
-__all__ = ["address_check_times", "decode_host_times", "decode_step_times", "depth_host_times", "inner_host_times",
+__all__ = ["address_check_times", "decode_host_times", "decode_step_times", "depth_host_times", "glue_bound", "inner_host_times",
            "reuse_rows"]
 
 
@@ -194,6 +194,37 @@ def inner_host_times(scope: str, layers: int = 8, calls: int = 2000, repeats: in
     return {inner: sum(times) / len(times) for inner, times in found.items()}
 
 
+def glue_bound(options: dict) -> Callable[[torch.fx.GraphModule, list], Callable[..., Any]]:
+    """A backend for the lowest host time a runtime could reach with these options' plan: the graph planned and
+    split as cgcompile splits it, each partition it would capture answering with the outputs of its first call
+    (a replay and its checks costing nothing), the partitions it leaves eager (the glue between the layers in
+    layer scope) run as cgcompile runs them."""
+    from cgcompile.config import CudaGraphConfig
+    from cgcompile.frame_plan import make_plan
+    from cgcompile.plan import submodule_name
+    from cgcompile.split import call_directly, plain_forward, replace_submodule, split
+
+    config = CudaGraphConfig.from_options(options)
+
+    def first_outputs(run: Callable[..., Any]) -> Callable[..., Any]:
+        kept: List[Any] = []
+
+        def answer(*args: Any) -> Any:
+            if not kept:
+                kept.append(run(*args))
+            return kept[0]
+        return answer
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        graph_plan = make_plan(gm, example_inputs, config, 0)
+        split_gm = split(gm, graph_plan)
+        for partition in graph_plan.captured:
+            name = submodule_name(partition.id)
+            replace_submodule(split_gm, name, first_outputs(plain_forward(getattr(split_gm, name))))
+        return call_directly(split_gm)
+    return backend
+
+
 def decode_step_times(scopes: Sequence[str] = ("layer", "block"), layers: int = 8, rounds: int = 2000,
                       block: int = 5, inner: str = "eager") -> Dict[str, float]:
     """Host seconds per whole decode step in a real decode loop (each step at the next position with a new token
@@ -201,7 +232,8 @@ def decode_step_times(scopes: Sequence[str] = ("layer", "block"), layers: int = 
     backend that returns the outputs of its first call (Dynamo's guards and frame call: what any backend pays),
     and "minimal", a backend that copies the step's non-parameter inputs into buffers of its own in one
     `_foreach_copy_` and returns clones of its first outputs (what any CUDA-graph backend that copies inputs in
-    and hands out outputs a next replay cannot overwrite pays at least). Each round runs `block` steps of every
+    and hands out outputs a next replay cannot overwrite pays at least); with layer scope, "layer bound" too
+    (glue_bound: the layers answered from a cache, the glue between them eager). Each round runs `block` steps of every
     candidate, in turn (the order reversed every other round), and each candidate's time is the median over the
     rounds of its block's process CPU time: a neighbour's load or a slow moment lands on all candidates alike
     and on few samples (whole runs of 200 steps per candidate, timed apart, moved the ratio by up to 50% on a
@@ -230,9 +262,11 @@ def decode_step_times(scopes: Sequence[str] = ("layer", "block"), layers: int = 
     steps_of: Dict[str, Callable[..., Any]] = {
         "floor": floor, "minimal": torch.compile(kv_gpt.DecodeStep(model), backend=minimal_replay)}
     for scope in scopes:
-        steps_of[scope] = torch.compile(kv_gpt.DecodeStep(model), backend="cudagraph_modules", options={
-            "cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": scope, "driver": "emulate",
-            "inner_compiler": inner})
+        options = {"cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": scope, "driver": "emulate",
+                   "inner_compiler": inner}
+        steps_of[scope] = torch.compile(kv_gpt.DecodeStep(model), backend="cudagraph_modules", options=options)
+        if scope == "layer":
+            steps_of["layer bound"] = torch.compile(kv_gpt.DecodeStep(model), backend=glue_bound(options))
 
     generator = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, kv_gpt.VOCAB, (4, 1), generator=generator) for _ in range(16)]
