@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # files' tests share compiled models and fixtures); TEST_WORKERS=0 runs it in this process alone.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-nightly docs docs-serve bench gpu-check gpu-perf gpu-lease megatron-parity megatron-record clean
+.PHONY: demo test test-oldest test-nightly docs docs-serve bench gpu-check gpu-perf gpu-lease megatron-parity megatron-record clean
 
 # setup.py builds the optional compiled helper (cgcompile/csrc) in place; a change to it reinstalls.
 # torchtitan (tests/test_torchtitan_ep.py) goes into $(VENV)/torchtitan, not site-packages: --no-deps with the
@@ -31,6 +31,18 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# The suite on the oldest torch supported (torch>=2.11 in pyproject.toml), not in CI: PyPI's build of it (its CUDA
+# libraries included, about 3 GB; the tests run on the CPU), in a copy of the tracked files under build/ (an
+# editable install builds cgcompile/*.so in place, for that torch), so .venv and its build stay as they are.
+OLDEST_TORCH ?= 2.11.0
+OLDEST_DIR := $(CURDIR)/build/torch-$(OLDEST_TORCH)
+test-oldest:
+	rm -rf $(OLDEST_DIR)/src && mkdir -p $(OLDEST_DIR)/src
+	git ls-files -z | xargs -0 cp --parents -t $(OLDEST_DIR)/src
+	test -x $(OLDEST_DIR)/venv/bin/python || python3 -m venv $(OLDEST_DIR)/venv
+	$(OLDEST_DIR)/venv/bin/python -m pip install -q "torch==$(OLDEST_TORCH)" "setuptools>=70.1"
+	$(MAKE) -C $(OLDEST_DIR)/src test VENV=$(OLDEST_DIR)/venv PYTEST_ARGS="$(PYTEST_ARGS)"
 
 # The randomized parity test with fresh randomness and many more examples (CI runs a fixed set of 200).
 test-nightly: $(VENV)/.installed

@@ -87,13 +87,14 @@ def cuda_launches(event) -> int:
     """Kernels CUDA launches for this kernel event: 1, except for a `_foreach_copy_` that CUDA's multi-tensor
     route refuses (its destinations of more than one dtype, or its sources, or a pair differing in size or
     stride: `foreach_tensor_copy_list_kernel_cuda_` then copies tensor by tensor), one per tensor. Read from the
-    per-tensor `copy_` children the CPU runs (their dtypes, shapes and strides: profile with record_shapes)."""
+    per-tensor `copy_` children the CPU runs (their dtypes, shapes and strides: profile with record_shapes; torch
+    2.11's profiler records neither dtypes nor strides, so there a foreach is judged by its sizes alone)."""
     if event.name != "aten::_foreach_copy_":
         return 1
     pairs = [child for child in getattr(event, "cpu_children", ()) if child.name == "aten::copy_"]
     if len(pairs) < 2:
         return 1
-    dtypes = [tuple(child.input_dtypes[:2]) for child in pairs]
+    dtypes = [tuple((getattr(child, "input_dtypes", None) or [None, None])[:2]) for child in pairs]
     if not all(dtypes[0][0] == dst and dtypes[0][1] == src for dst, src in dtypes):
         return len(pairs)
     strides = [getattr(child, "structured_input_strides", None) or [None, None] for child in pairs]

@@ -61,12 +61,15 @@ def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     num_args = len(args)  # not `args`: a closure over them would keep the first call's tensors alive
+    # aot unwraps tensor subclasses (DTensor) in its runtime wrapper, so their graphs are never called directly.
+    # Told by the arguments themselves: torch 2.11's fw_metadata describes the unwrapped inputs, all plain.
+    wrapped = any(isinstance(a, torch.Tensor) and is_traceable_wrapper_subclass(a) for a in args)
     if not inductor:
         from torch._functorch.aot_autograd import aot_module_simplified
 
         def compiler(kind: str) -> Callable:
             def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-                direct = direct_inference(gm, num_args) if kind == "inference" else None
+                direct = direct_inference(gm, num_args) if kind == "inference" and not wrapped else None
                 return boxed(make_runner(kind, lambda graph_args: gm(*graph_args), gm, direct))
             return compile_graph
 
@@ -83,7 +86,7 @@ def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
         kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
         kwargs["cudagraphs"] = None
         compiled = compile_fx_inner(gm, example_inputs, **kwargs)
-        direct = direct_inference(gm, num_args) if kind == "inference" else None
+        direct = direct_inference(gm, num_args) if kind == "inference" and not wrapped else None
         return boxed(make_runner(kind, lambda graph_args: compiled(list(graph_args)), gm, direct))
 
     # A ShapeEnv with inputs fakified at static sizes (compile_fx's ignore_shape_env: checked 2.13, looked up) lets
@@ -101,7 +104,8 @@ def direct_inference(gm: torch.fx.GraphModule, num_args: int) -> Optional[tuple]
     rng, no tensor subclass, the graph taking exactly the module's arguments, autocast off), the input positions
     whose version counters the wrapper bumps for mutations kept in the graph; else None. Reads the metadata aot
     records on the tracing context (torch/_functorch/_aot_autograd/schemas.py ViewAndMutationMeta; fields
-    checked 2.11, 2.13; any one missing means None)."""
+    checked 2.11, 2.13; any one missing means None). Subclass arguments are the caller's to rule out (aot_compile):
+    on 2.11 subclass_inp_meta describes the graph's unwrapped inputs, all plain."""
     context = torch._guards.TracingContext.try_get()
     meta = getattr(context, "fw_metadata", None)
     try:

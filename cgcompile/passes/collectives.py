@@ -79,11 +79,13 @@ def is_wait(node: fx.Node) -> bool:
 
 def collective_counts(gm: fx.GraphModule) -> Dict[str, int]:
     """How many of each collective gm runs, by op name without its namespace ({"all_reduce": 2}), waits left out:
-    for an aot graph, the collectives DTensor lowered its redistributions to."""
+    for an aot graph, the collectives DTensor lowered its redistributions to. An in-place variant counts as its
+    collective (torch 2.11's graphs hold `all_reduce_` where 2.13's hold `all_reduce`)."""
     counts: Dict[str, int] = {}
     for node in gm.graph.nodes:
         if is_collective(node) and not is_wait(node):
             name = _namespace_and_name(node.target)[1] or op_name(node)
+            name = name[:-1] if name.endswith("_") and not name.endswith("__") else name
             counts[name] = counts.get(name, 0) + 1
     return counts
 

@@ -123,8 +123,22 @@ def op_name(node: fx.Node) -> str:
         return f"operator.{name}"
     if getattr(torch._C._nn, name, None) is target:
         return f"F.{name}"
+    wrapped = dynamo_wrapped_name(target)
+    if wrapped is not None:
+        return f"Tensor.{wrapped}" if name.startswith("prim_") else f"DTensor.{wrapped}"
     module = getattr(target, "__module__", None)
     return f"{module}.{name}" if module else name
+
+
+def dynamo_wrapped_name(target: Any) -> Optional[str]:
+    """torch 2.11's Dynamo puts DTensor calls in the graph as wrappers of its own named for them: x.redistribute(...)
+    as "prim_redistribute", DTensor.from_local(...) as "prim from_local" (torch 2.13: the method or function
+    itself). The wrapped call's name ("redistribute", "from_local"), else None."""
+    name = getattr(target, "__name__", None)
+    if isinstance(name, str) and name.startswith(("prim_", "prim ")) and \
+            str(getattr(target, "__module__", "")).startswith("torch._dynamo."):
+        return name[5:]
+    return None
 
 
 def finding(node: fx.Node, category: Reason, *, hint: Optional[str] = None, detail: Optional[str] = None,
@@ -156,7 +170,7 @@ def op_key(node: fx.Node) -> str:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         return target.overloadpacket.__name__
-    return getattr(target, "__name__", str(target))
+    return dynamo_wrapped_name(target) or getattr(target, "__name__", str(target))
 
 
 def aten_packet(node: fx.Node):

@@ -10,7 +10,7 @@ partition's backward graph. Which collectives the backward runs depends on the g
 forward graph does not show; the plan lists the forward ones.
 
 What a redistribution runs, per mesh dimension of more than one rank whose placement changes
-(torch/distributed/tensor/_redistribute.py, checked 2.13): Partial -> Replicate all_reduce, Partial -> Shard
+(torch/distributed/tensor/_redistribute.py, checked 2.11, 2.13): Partial -> Replicate all_reduce, Partial -> Shard
 reduce_scatter, Shard -> Replicate all_gather, Shard(i) -> Shard(j) all_to_all; Replicate -> Shard or Partial is
 local (a slice or a scale).
 
@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch.fx as fx
 
 from ..reasons import Finding, Reason
-from .common import compute_nodes, example_value, node_location, node_module_path, op_name, unbacked_symbols
+from .common import compute_nodes, example_value, node_location, node_module_path, op_key, op_name, unbacked_symbols
 
 _REDISTRIBUTING_METHODS = frozenset({"redistribute", "full_tensor"})
 _HINT = ("give the redistributed tensor a static shape (pad the selected rows to a fixed capacity, e.g. with "
@@ -84,9 +84,11 @@ def _mesh_dim_size(value: Any, dim: int) -> int:
 
 
 def _is_redistribution(node: fx.Node, dtensor: type) -> bool:
+    """A `redistribute` or `full_tensor` of a DTensor: a method call (torch 2.13), or a function named for it
+    (torch 2.11's Dynamo puts `x.redistribute(...)` in the graph as a function named "prim_redistribute")."""
     if node.op == "call_method":
         return node.target in _REDISTRIBUTING_METHODS
-    return node.op == "call_function" and getattr(node.target, "__name__", None) in _REDISTRIBUTING_METHODS and \
+    return node.op == "call_function" and op_key(node) in _REDISTRIBUTING_METHODS and \
         isinstance(example_value(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None, dtensor)
 
 

@@ -11,6 +11,9 @@ from tests.hf.families import build, train_like_eager
 
 OPTIONS = {"cuda_graph_impl": "local", "driver": "emulate", "cuda_graph_modules": [], "cuda_graph_warmup_steps": 1}
 STEPS = 4
+# Exact on torch 2.13. On 2.11 Dynamo alone (torch.compile(backend="eager")) already differs from eager in the
+# gated delta-net's output (4.7e-10 at layer 0, no aot, no cgcompile): losses there agree to rounding only.
+LOSS_TOLERANCE = 0.0 if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13) else 1e-6
 
 
 def test_qwen3_next_trains_like_eager_with_graphs_replayed():
@@ -32,7 +35,7 @@ def test_qwen3_next_trains_like_eager_with_graphs_replayed():
     losses, params = train_like_eager(model, compiled, steps=STEPS, check_step=check_step, keep_loss=False)
     stats = cgcompile.stats()
     torch._dynamo.reset()
-    assert losses == [0.0] * STEPS and params <= 1e-6, (losses, params)
+    assert max(losses) <= LOSS_TOLERANCE and len(losses) == STEPS and params <= 1e-6, (losses, params)
     assert stats["eager_fallbacks"] == [], stats["eager_fallbacks"]
     partitions = len(stats["partitions"])
     # step 1 warms up, step 2 captures, steps 3 and 4 replay every partition's forward
