@@ -3,6 +3,7 @@
 import copy
 import linecache
 import logging
+import re
 
 import pytest
 import torch
@@ -270,7 +271,7 @@ def test_a_frame_output_carrying_selected_rows_is_named_by_its_producer_and_line
     (lambda x, rows: x[rows].T.reshape(x.shape[1], -1).sum(1), None),  # (3, u0) -> (3, u0): rows stay whole
     (lambda x, rows: x[rows].reshape(x.shape[1], -1).sum(1), "moves rows into other rows"),
     # the first two rows: torch 2.13 sizes them Min(2, u0) (merged), 2.11 by a new symbol (the rows combined)
-    (lambda x, rows: x[rows][:2].sum(0), ("merges the", "combines the")),
+    (lambda x, rows: x[rows][:2].sum(0), "merges the|combines the"),
     (lambda x, rows: x.index_copy(0, rows, x[rows]), "overwrites rows"),
 ])
 def test_row_flow_tells_rowwise_from_row_mixing(body, blocker):
@@ -278,5 +279,4 @@ def test_row_flow_tells_rowwise_from_row_mixing(body, blocker):
     if blocker is None:
         assert flow.ok and flow.sinks
     else:
-        assert not flow.ok and any(b in flow.blocker.detail for b in (blocker if isinstance(blocker, tuple)
-                                                                          else (blocker,))), flow.blocker
+        assert not flow.ok and re.search(blocker, flow.blocker.detail), flow.blocker

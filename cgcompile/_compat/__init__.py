@@ -63,7 +63,7 @@ def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
     num_args = len(args)  # not `args`: a closure over them would keep the first call's tensors alive
     # aot unwraps tensor subclasses (DTensor) in its runtime wrapper, so their graphs are never called directly.
     # Told by the arguments themselves: torch 2.11's fw_metadata describes the unwrapped inputs, all plain.
-    wrapped = any(isinstance(a, torch.Tensor) and is_traceable_wrapper_subclass(a) for a in args)
+    wrapped = any(map(is_wrapper_subclass, args))
     if not inductor:
         from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -155,8 +155,7 @@ def is_wrapper_subclass(t: Any) -> bool:
     """Is t a traceable wrapper tensor subclass (DTensor, torchao's float8 / NF4 tensors): a tensor with no memory
     of its own whose data lives in the inner tensors `t.__tensor_flatten__()` names, which aot_autograd hands
     the compiled graphs in its place? torch.utils._python_dispatch.is_traceable_wrapper_subclass, the predicate
-    aot_autograd's subclass flattening uses (private module; run on 2.13; the same function and protocol in the
-    torch source since 2.1, not run on 2.11)."""
+    aot_autograd's subclass flattening uses (private module; run on 2.11 and 2.13)."""
     return is_traceable_wrapper_subclass(t)
 
 

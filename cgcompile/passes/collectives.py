@@ -85,7 +85,7 @@ def collective_counts(gm: fx.GraphModule) -> Dict[str, int]:
     for node in gm.graph.nodes:
         if is_collective(node) and not is_wait(node):
             name = _namespace_and_name(node.target)[1] or op_name(node)
-            name = name[:-1] if name.endswith("_") and not name.endswith("__") else name
+            name = name.removesuffix("_")
             counts[name] = counts.get(name, 0) + 1
     return counts
 
