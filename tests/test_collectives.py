@@ -17,9 +17,9 @@ from cgcompile.backend import cudagraph_modules, record_plans
 from cgcompile.config import CudaGraphConfig
 from cgcompile.planner import plan_graph
 from cgcompile.passes import analyze
-from cgcompile.passes.collectives import find_data_dependent_collectives, is_collective
+from cgcompile.passes.collectives import collective_counts, find_data_dependent_collectives, is_collective
 from cgcompile.passes.common import node_location
-from cgcompile.passes.common import op_name
+from cgcompile.passes.common import op_key, op_name
 
 try:
     from tests.models import ep_moe
@@ -94,6 +94,37 @@ def test_functional_collective_packets_are_collectives():
     names = {op_name(n) for n in gm.graph.nodes if n.op == "call_function" and is_collective(n)}
     assert names == {"_c10d_functional.all_reduce", WAIT}
     assert not any(is_collective(n) for n in gm.graph.nodes if n.op == "call_function" and "mul" in op_name(n))
+
+
+def test_an_in_place_collective_counts_as_its_collective():
+    """torch 2.11's aot graphs hold `all_reduce_` where 2.13's hold `all_reduce`: stats() counts both as all_reduce."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    for op in (torch.ops._c10d_functional.all_reduce_.default, torch.ops._c10d_functional.all_reduce.default):
+        reduced = graph.call_function(op, (x, "sum", "0"))
+        graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduced,))
+    graph.output(x)
+    assert collective_counts(torch.fx.GraphModule(torch.nn.Module(), graph)) == {"all_reduce": 2}
+
+
+def test_dynamo_s_own_dtensor_wrappers_read_as_the_calls_they_stand_for():
+    """torch 2.11's Dynamo records x.redistribute(...) and DTensor.from_local(...) as functions of its own named
+    "prim_redistribute" and "prim from_local": the planner's rules and the plan's names see the calls."""
+    def wrapper(name):
+        def fn(x):
+            return x
+        fn.__name__, fn.__module__ = name, "torch._dynamo.variables.tensor"
+        return fn
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    nodes = [graph.call_function(wrapper(name), (x,)) for name in ("prim_redistribute", "prim from_local")]
+    own = graph.call_function(wrapper("prim_helper"), (x,))
+    own.target.__module__ = __name__  # not Dynamo's: its own name
+    graph.output(x)
+    assert [(op_key(n), op_name(n)) for n in nodes] == [("redistribute", "Tensor.redistribute"),
+                                                        ("from_local", "DTensor.from_local")]
+    assert (op_key(own), op_name(own)) == ("prim_helper", f"{__name__}.prim_helper")
 
 
 def test_fixed_all_reduce_and_equal_all_to_all_are_captured():
