@@ -1,10 +1,14 @@
-"""The graph-bank policy's decisions on plain counters (cgcompile/runtime/bank/policy.py); the runtime that feeds
-them is tested end to end in test_graph_bank.py."""
+"""The graph-bank policy's decisions on plain counters (cgcompile/runtime/bank/policy.py) and what its stop message
+reads from the bank keys (size_trend.py); the runtime that feeds them is tested end to end in test_graph_bank.py."""
 
 from __future__ import annotations
 
+import torch
+
 from cgcompile.runtime.bank import policy as bank_policy
+from cgcompile.runtime.bank.key import BankKey
 from cgcompile.runtime.bank.policy import BankCounters
+from cgcompile.runtime.bank.size_trend import MIN_STEPS, growing_size
 
 
 def test_a_graph_is_stale_only_after_the_window_per_graph_of_its_parameter_set():
@@ -46,3 +50,44 @@ def test_counters_report_the_hit_rate_and_the_reuse_after_warmup():
     assert row["hit_rate"] == 0.6 and row["calls"] == row["replays"] + row["misses"]
     assert row["reuse"] == 0.75  # 6 of the 8 calls after warmup replayed a graph captured earlier
     assert BankCounters().hit_rate() == 0.0 and BankCounters(calls=3, warmup_calls=3).reuse() == 0.0
+
+
+def _keys(calls):
+    """The real bank keys of calls (argument 0 a parameter, left out of the key as the runtime leaves it)."""
+    keys = BankKey(frozenset({0}), static_shapes=False)
+    keys.learn(calls[0])
+    return keys.dynamic, [keys.of(args) for args in calls]
+
+
+NAMES = ["argument `w`", "argument `x`", "argument `cache`", "argument `length`", "argument `mask`"]
+
+
+def test_a_size_grown_by_the_same_amount_at_every_new_size_is_named_after_a_prefill():
+    w = torch.nn.Parameter(torch.zeros(8, 8))
+    prefill = [(w, torch.zeros(2, 6, 8), torch.zeros(2, 0, 16), 0, torch.zeros(2, 6))]
+    decode = [(w, torch.zeros(2, 1, 8), torch.zeros(2, t, 16), t, torch.zeros(2, t + 1)) for t in range(6, 14)]
+    positions, keys = _keys(prefill + decode)
+    assert growing_size(keys, positions, NAMES) == (
+        "argument `cache` dim 1 grew by 1 at each new size (6, 7, 8, ..., 12, 13), and 1 other input with it")
+    assert growing_size(keys[:MIN_STEPS], positions, NAMES) is None  # the prefill and too few decode steps
+    assert growing_size(keys[:MIN_STEPS + 1], positions, NAMES) is not None
+
+
+def test_sizes_the_data_picks_or_that_differ_otherwise_are_no_growth():
+    w = torch.nn.Parameter(torch.zeros(8, 8))
+    picked = [(w, torch.zeros(rows, 8)) for rows in (9, 5, 12, 4, 10, 7)]  # rows selected by nonzero, say
+    assert growing_size(*_keys(picked)[::-1], NAMES) is None
+    by_two = [(w, torch.zeros(rows, 8)) for rows in (4, 6, 8, 10)]
+    assert growing_size(*_keys(by_two)[::-1], NAMES) == "argument `x` dim 0 grew by 2 at each new size (4, 6, 8, 10)"
+    shrinking = [(w, torch.zeros(rows, 8)) for rows in (10, 8, 6, 4)]
+    assert growing_size(*_keys(shrinking)[::-1], NAMES) is None
+    dtypes = [(w, torch.zeros(rows, 8, dtype=torch.float16 if rows % 2 else torch.float32)) for rows in (4, 5, 6, 7)]
+    assert growing_size(*_keys(dtypes)[::-1], NAMES) is None
+    both = [(w, torch.zeros(4, 8)), (w, torch.zeros(5, 8)), (w, torch.zeros(6, 9)), (w, torch.zeros(7, 8))]
+    assert growing_size(*_keys(both)[::-1], NAMES) is None  # one dimension grew, another came and went
+    positions, keys = _keys([(w, torch.zeros(rows, 8)) for rows in (4, 5, 6, 7)])
+    with torch.no_grad():
+        modes = BankKey(frozenset({0}), static_shapes=False)
+        modes.learn((w, torch.zeros(4, 8)))
+        keys[2] = modes.of((w, torch.zeros(6, 8)))  # a no_grad call among grad ones
+    assert growing_size(keys, positions, NAMES) is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import re
 
 import expecttest
 import pytest
@@ -116,7 +117,7 @@ class TestSizesThatDoNotRepeat(expecttest.TestCase):
         model = mlp()
         reference = copy.deepcopy(model)
         run = compiled(model, max_graphs_per_partition=4)
-        rows = [3, 3, 3, 4, 5, 6, 7, 8, 9, 10, 3, 11, 12, 3, 13, 14, 3]
+        rows = [3, 3, 3, 9, 5, 12, 4, 10, 7, 6, 3, 14, 8, 3, 11, 13, 3]  # new sizes in no order, as data picks them
         with self.assertLogs("cgcompile", level="WARNING") as logs:
             for i, n in enumerate(rows):
                 self.assertTrue(torch.equal(step(run, batch(n, i)), step(reference, batch(n, i))))
@@ -127,6 +128,38 @@ class TestSizesThatDoNotRepeat(expecttest.TestCase):
         self.assertEqual(len([m for m in logs.output if "stops capturing" in m]), 1)
         self.assertEqual(len(cgcompile.stats()["graphs"]), 2)
         self.assertExpectedInline(row["stopped"], """7 of the 8 input sizes judged so far came once and not again: its input sizes do not repeat (e.g. rows selected by nonzero before a graph break); new sizes run eagerly, the graphs it has keep replaying. Fix: dynamic_padding='buckets' (or 'max') with torch._dynamo.config.capture_dynamic_output_shape_ops=True when the sizes come from nonzero or a boolean mask, or capture_sizes=[...] when they are a batch dimension.""")
+
+
+    def test_a_cache_grown_at_every_step_is_named_with_the_static_cache_fix(self):
+        """A decode loop whose cache is concatenated at every step (transformers' default DynamicCache does this):
+        each step is a new size that never comes back. The partition stops capturing them, runs them eagerly
+        (exactly), and its message names the growing input and dimension and the fix for a growing sequence."""
+        model = ConcatCacheStep().eval()
+        run = compiled(model, inference_cuda_graph_scope="layer")
+        caches = [torch.zeros(2, 4, 16), torch.zeros(2, 4, 16)]
+        with torch.no_grad(), self.assertLogs("cgcompile", level="WARNING") as logs:
+            for i in range(16):
+                x = torch.randn(2, 1, 8, generator=torch.Generator().manual_seed(i))
+                (got, caches[0]), (want, caches[1]) = run(x, caches[0]), model(x, caches[1])
+                self.assertTrue(torch.equal(got, want) and torch.equal(caches[0], caches[1]))
+        [row] = [p for p in cgcompile.stats()["partitions"] if p["stopped"]]
+        self.assertEqual(len([m for m in logs.output if "stops capturing" in m]), 1)
+        self.assertExpectedInline(re.sub(r"test_graph_bank.py:\d+", "test_graph_bank.py:N", row["stopped"]), """6 of the 6 input sizes judged so far came once and not again: its input sizes do not repeat: argument `cache` (read at test_graph_bank.py:N) dim 1 grew by 1 at each new size (5, 6, 7, ..., 13, 14), a sequence growing at every step (e.g. a KV cache concatenated at each decode step, or a growing batch); new sizes run eagerly, the graphs it has keep replaying. Fix: a cache of fixed size written in place at each step's positions, so every step has the same sizes (transformers: generate(..., cache_implementation="static")), or capture_sizes=[...] when it is a batch dimension.""")
+
+
+class ConcatCacheStep(nn.Module):
+    """One attention step over a key/value cache grown by concatenation at every call."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.kv = nn.Linear(8, 8), nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor):
+        cache = torch.cat([cache, self.kv(x)], dim=1)
+        k, v = cache.split(8, dim=-1)
+        weights = torch.softmax(self.q(x) @ k.transpose(1, 2), dim=-1)
+        return weights @ v, cache
 
 
 def test_moe_with_new_sizes_every_step_holds_memory_that_does_not_grow():

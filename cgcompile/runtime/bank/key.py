@@ -23,7 +23,9 @@ import torch
 from ... import _compat
 from ..tensors import flagged_parameter, is_param_or_buffer, registered_parameter
 
-__all__ = ["BankKey", "ParamSetIdentity"]
+__all__ = ["MODE_FIELDS", "BankKey", "ParamSetIdentity"]
+
+MODE_FIELDS = 5  # a bank key starts with the grad, inference, cuda and cpu autocast modes and the argument count
 
 
 class BankKey:

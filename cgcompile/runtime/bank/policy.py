@@ -122,8 +122,14 @@ def cycle(graphs: int, sizes: int) -> int:
     return max(1, graphs, sizes)
 
 
-def stop_message(reason: str) -> str:
-    """What a partition that stops capturing new sizes says (logged once, in stats()["bank_stops"]), with the fix."""
+def stop_message(reason: str, growth: Optional[str] = None) -> str:
+    """What a partition that stops capturing new sizes says (logged once, in stats()["bank_stops"]), with the fix:
+    `growth` (size_trend.growing_size) when a size grew by a fixed amount at every new size, a sequence whose
+    sizes never come back; else sizes from the data."""
+    if growth is not None:
+        return (f"{reason}: its input sizes do not repeat: {growth}, a sequence growing at every step (e.g. a KV "
+                f"cache concatenated at each decode step, or a growing batch); new sizes run eagerly, the graphs it "
+                f"has keep replaying. {_GROWTH_FIX_HINT}")
     return (f"{reason}: its input sizes do not repeat (e.g. rows selected by nonzero before a graph break); new sizes "
             f"run eagerly, the graphs it has keep replaying. {_FIX_HINT}")
 
@@ -131,3 +137,6 @@ def stop_message(reason: str) -> str:
 _FIX_HINT = ("Fix: dynamic_padding='buckets' (or 'max') with torch._dynamo.config.capture_dynamic_output_shape_ops="
              "True when the sizes come from nonzero or a boolean mask, or capture_sizes=[...] when they are a batch "
              "dimension.")
+_GROWTH_FIX_HINT = ("Fix: a cache of fixed size written in place at each step's positions, so every step has the same "
+                    "sizes (transformers: generate(..., cache_implementation=\"static\")), or capture_sizes=[...] when "
+                    "it is a batch dimension.")

@@ -27,9 +27,10 @@ class GraphReleaser:
     BankEntry), read here; `runtime` gives the memory back."""
 
     def __init__(self, name: str, describe: Callable[[], str], bank: Dict[Any, Any], ledger: BankLedger,
-                 runtime: Any):
+                 runtime: Any, growth: Callable[[], Optional[str]] = lambda: None):
         self.name = name
         self.describe = describe
+        self.growth = growth  # what size grew at every new size, if one did (size_trend.growing_size), for stop()
         self.bank = bank
         self.ledger = ledger
         self.runtime = runtime
@@ -102,7 +103,7 @@ class GraphReleaser:
     def stop(self, reason: str) -> None:
         """Stop capturing new sizes for good: log once with the fix, count, release the graphs never replayed.
         The graphs it keeps still replay; other sizes run eagerly."""
-        message = self.ledger.stop(reason)
+        message = self.ledger.stop(reason, self.growth())
         log.warning("cgcompile: %s stops capturing new sizes: %s", self.describe(), message)
         record("bank_stops", self.name, message, once=True)
         self.release([graph for family in self.families() for graph in family.all_instances() if graph.replays <= 1],

@@ -38,6 +38,7 @@ from ...counters import record
 from ..bank import policy as bank_policy
 from ..bank.key import BankKey, ParamSetIdentity
 from ..bank.ledger import BankLedger
+from ..bank.size_trend import growing_size
 from ..drivers.base import Driver
 from ..memory.arena_sizing import ArenaSizing
 from .benefit import BenefitProbe
@@ -86,7 +87,8 @@ class PartitionRunner:
         self.describe = self.inputs.describe  # how logs name the partition
         self.arenas = ArenaSizing(name, self.config.capture_sizes, batch_at, self.inputs.param_set_number)
         self.ledger = BankLedger(self.config.cuda_graph_warmup_steps, self.config.max_graphs_per_partition)
-        self.releaser = GraphReleaser(name, self.describe, self.bank, self.ledger, runtime)  # acts on its decisions
+        self.releaser = GraphReleaser(name, self.describe, self.bank, self.ledger, runtime,  # acts on its decisions
+                                      self.growing_size)
         # per parameter set, the graph its last direct call replayed, replayed again from there (steady.py)
         self.steady = SteadyReplays(self.keys, self.param_sets, self.ledger, self.releaser, runtime)
         self.benefit = BenefitProbe(name, self.describe, self.config, driver, self.inputs.static_storages)
@@ -181,6 +183,10 @@ class PartitionRunner:
             return None
         ledger.new_size(key)
         return entry
+
+    def growing_size(self) -> Optional[str]:
+        """Which input size grew by a fixed amount at each new size of the bank, if one did (size_trend.py)."""
+        return growing_size(list(self.bank), self.keys.dynamic or (), self.inputs.input_names)
 
     def _sets_gone(self, args: Sequence[Any]) -> bool:
         """A new parameter set arrived: the sets whose identity died leave the ledger; True when the partition

@@ -1,0 +1,83 @@
+"""Which input size grows from one new input size to the next, for the message of a partition that stops
+capturing new sizes (policy.stop_message).
+
+Sizes that never repeat have two common causes with different fixes. Rows picked by the data (`nonzero`, a boolean
+mask before a graph break) come in any order: padding them to fixed sizes fixes that (dynamic_padding). A sequence
+that grows by the same amount at every step (a KV cache concatenated at each decode step, as transformers'
+default DynamicCache does, or tokens appended to the input) grows without end: only a cache of fixed size written
+in place (a static cache) makes the steps repeat. The bank keys, in the order their sizes first came, tell the
+two apart. Pure: it reads keys, positions and names only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .key import MODE_FIELDS
+
+__all__ = ["MIN_STEPS", "growing_size"]
+
+MIN_STEPS = 3  # sizes in a row, each grown by the same amount from the one before, before a growth is named
+
+
+def _sizes(argument: Any) -> Optional[Tuple[Tuple[int, ...], bool]]:
+    """The sizes one argument's part of a bank key holds, and whether it is a tensor's shape (else an integer's
+    value: a size Dynamo passes as a symbol); None for anything else."""
+    if isinstance(argument, tuple) and argument and isinstance(argument[0], torch.Size):
+        return tuple(argument[0]), True
+    if isinstance(argument, tuple) and len(argument) == 2 and argument[0] is int:
+        return (argument[1],), False
+    return None
+
+
+def _changes(keys: Sequence[tuple], positions: Sequence[int]) -> Optional[Dict[Tuple[int, int, bool], List[int]]]:
+    """Per (argument position, dimension, is a tensor) whose size differs between the keys, its sizes in key order;
+    None when the keys differ otherwise (modes, a value that is no size, a tensor's rank or dtype)."""
+    if any(key[:MODE_FIELDS] != keys[0][:MODE_FIELDS] or len(key) != MODE_FIELDS + len(positions) for key in keys):
+        return None
+    found: Dict[Tuple[int, int, bool], List[int]] = {}
+    for slot, position in enumerate(positions):
+        parts = [key[MODE_FIELDS + slot] for key in keys]
+        sized = [_sizes(part) for part in parts]
+        first = sized[0]
+        if first is None or any(s is None or len(s[0]) != len(first[0]) or s[1] != first[1] for s in sized):
+            if any(part != parts[0] for part in parts):
+                return None
+            continue
+        if first[1] and any(part[2:] != parts[0][2:] for part in parts):  # dtype, device, requires_grad
+            return None
+        for dim in range(len(first[0])):
+            values = [s[0][dim] for s in sized]  # type: ignore[index]
+            if len(set(values)) > 1:
+                found[(position, dim, first[1])] = values
+    return found
+
+
+def _step(values: List[int]) -> Optional[int]:
+    """The amount the values grow by when it is the same positive amount each time, else None."""
+    steps = {b - a for a, b in itertools.pairwise(values)}
+    return steps.pop() if len(steps) == 1 and min(steps) > 0 else None
+
+
+def growing_size(keys: Sequence[tuple], positions: Sequence[int], names: Sequence[str]) -> Optional[str]:
+    """Bank keys in the order their sizes first came (`positions`: the argument positions a key reads after its
+    modes, BankKey.dynamic; `names`: per partition input, how logs name it). When the latest MIN_STEPS or more of
+    them differ only in sizes, each grown by a fixed amount from one key to the next (earlier keys, a prefill's
+    say, may differ otherwise), what grew: "argument `x` dim 2 grew by 1 at each new size (7, 8, 9)"; else None."""
+    for start in range(len(keys) - MIN_STEPS + 1):
+        changes = _changes(keys[start:], positions)
+        if not changes or any(_step(values) is None for values in changes.values()):
+            continue
+        # a tensor's dimension names the growth better than the integer size Dynamo passes beside it
+        best = max(changes, key=lambda where: where[2])
+        (position, dim, _), values = best, changes[best]
+        shown = values if len(values) <= 6 else [*values[:3], "...", *values[-2:]]
+        name = names[position] if position < len(names) else f"argument {position}"
+        others = len({where[0] for where in changes if where[2]} - {position})  # tensors; a size symbol is no news
+        also = f", and {others} other input{'s' if others > 1 else ''} with it" if others else ""
+        return (f"{name} dim {dim} grew by {_step(values)} at each new size ({', '.join(map(str, shown))})"
+                f"{also}")
+    return None
