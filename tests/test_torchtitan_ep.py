@@ -70,6 +70,9 @@ def _torchtitan_missing() -> str | None:
     append that to sys.path), so it must be the version this test is written against."""
     if sys.version_info < (3, 11):
         return "torchtitan 0.3.0 needs Python >= 3.11"
+    if dist.is_available() and not hasattr(importlib.import_module("torch.distributed.fsdp"), "DataParallelMeshDims"):
+        return (f"torchtitan 0.3.0 imports torch.distributed.fsdp.DataParallelMeshDims, which torch {torch.__version__} "
+                "lacks")  # torchtitan/distributed/fsdp.py; torch 2.13 has it
     if importlib.util.find_spec("torchtitan") is not None:
         installed = importlib.metadata.version("torchtitan")
         return None if installed == "0.3.0" else f"written against torchtitan 0.3.0, {installed} is installed"
