@@ -44,7 +44,8 @@ test-oldest:
 	$(OLDEST_DIR)/venv/bin/python -m pip install -q "torch==$(OLDEST_TORCH)" "setuptools>=70.1"
 	$(MAKE) -C $(OLDEST_DIR)/src test VENV=$(OLDEST_DIR)/venv PYTEST_ARGS="$(PYTEST_ARGS)"
 
-# The randomized parity test with fresh randomness and many more examples (CI runs a fixed set of 120: CGCOMPILE_FUZZ_EXAMPLES).
+# The randomized parity test with fresh randomness and many more examples (CI runs a fixed set of 120,
+# CGCOMPILE_FUZZ_EXAMPLES).
 test-nightly: $(VENV)/.installed
 	CGCOMPILE_FUZZ_NIGHTLY=1 $(PY) -m pytest -q tests/test_random_models.py $(PYTEST_ARGS)
 

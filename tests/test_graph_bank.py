@@ -129,7 +129,6 @@ class TestSizesThatDoNotRepeat(expecttest.TestCase):
         self.assertEqual(len(cgcompile.stats()["graphs"]), 2)
         self.assertExpectedInline(row["stopped"], """7 of the 8 input sizes judged so far came once and not again: its input sizes do not repeat (e.g. rows selected by nonzero before a graph break); new sizes run eagerly, the graphs it has keep replaying. Fix: dynamic_padding='buckets' (or 'max') with torch._dynamo.config.capture_dynamic_output_shape_ops=True when the sizes come from nonzero or a boolean mask, or capture_sizes=[...] when they are a batch dimension.""")
 
-
     def test_a_cache_grown_at_every_step_is_named_with_the_static_cache_fix(self):
         """A decode loop whose cache is concatenated at every step (transformers' default DynamicCache does this):
         each step is a new size that never comes back. The partition stops capturing them, runs them eagerly

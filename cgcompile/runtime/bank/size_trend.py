@@ -69,7 +69,8 @@ def growing_size(keys: Sequence[tuple], positions: Sequence[int], names: Sequenc
     say, may differ otherwise), what grew: "argument `x` dim 2 grew by 1 at each new size (7, 8, 9)"; else None."""
     for start in range(len(keys) - MIN_STEPS + 1):
         changes = _changes(keys[start:], positions)
-        if not changes or any(_step(values) is None for values in changes.values()):
+        steps = {where: _step(values) for where, values in (changes or {}).items()}
+        if not steps or None in steps.values():
             continue
         # a tensor's dimension names the growth better than the integer size Dynamo passes beside it
         best = max(changes, key=lambda where: where[2])
@@ -78,6 +79,6 @@ def growing_size(keys: Sequence[tuple], positions: Sequence[int], names: Sequenc
         name = names[position] if position < len(names) else f"argument {position}"
         others = len({where[0] for where in changes if where[2]} - {position})  # tensors; a size symbol is no news
         also = f", and {others} other input{'s' if others > 1 else ''} with it" if others else ""
-        return (f"{name} dim {dim} grew by {_step(values)} at each new size ({', '.join(map(str, shown))})"
+        return (f"{name} dim {dim} grew by {steps[best]} at each new size ({', '.join(map(str, shown))})"
                 f"{also}")
     return None
