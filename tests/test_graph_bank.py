@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import cgcompile
+from cgcompile.runtime import live_runtimes
 from cgcompile.runtime.bank import policy as bank_policy
 from tests.bank_run import moe_bank_run
 
@@ -144,6 +145,40 @@ class TestSizesThatDoNotRepeat(expecttest.TestCase):
         [row] = [p for p in cgcompile.stats()["partitions"] if p["stopped"]]
         self.assertEqual(len([m for m in logs.output if "stops capturing" in m]), 1)
         self.assertExpectedInline(re.sub(r"test_graph_bank.py:\d+", "test_graph_bank.py:N", row["stopped"]), """6 of the 6 input sizes judged so far came once and not again: its input sizes do not repeat: argument `cache` (read at test_graph_bank.py:N) dim 1 grew by 1 at each new size (5, 6, 7, ..., 13, 14), a sequence growing at every step (e.g. a KV cache concatenated at each decode step, or a growing batch); new sizes run eagerly, the graphs it has keep replaying. Fix: a cache of fixed size written in place at each step's positions, so every step has the same sizes (transformers: generate(..., cache_implementation="static")), or capture_sizes=[...] when it is a batch dimension.""")
+
+
+    def test_a_new_size_compiles_only_when_it_comes_again(self):
+        """At the default warmup, a new size's first call runs uncompiled (one of its warmup calls) and the size
+        compiles at its second call, so sizes that never come back cost no aot compile (the growing cache
+        above, with transformers' default DynamicCache 2x less time in generate()); a size that repeats is
+        captured at the same call as before and replays from the next."""
+        model = ConcatCacheStep().eval()
+        run = compiled(model, inference_cuda_graph_scope="layer", cuda_graph_warmup_steps=3)
+        caches = [torch.zeros(2, 4, 16), torch.zeros(2, 4, 16)]
+        with torch.no_grad(), self.assertLogs("cgcompile", level="WARNING"):
+            for i in range(16):
+                x = torch.randn(2, 1, 8, generator=torch.Generator().manual_seed(i))
+                (got, caches[0]), (want, caches[1]) = run(x, caches[0]), model(x, caches[1])
+                self.assertTrue(torch.equal(got, want) and torch.equal(caches[0], caches[1]))
+        [growing] = [r for rt in live_runtimes() for r in rt.runners() if r.stopped]
+        self.assertIn("grew by 1 at each new size", growing.stopped)
+        row = partition_row(growing.name)
+        self.assertEqual((row["sizes"], growing.bank_size(), row["captures"]), (row["calls"], 0, 0))
+        earlier = set(map(id, live_runtimes()))
+
+        cache = torch.zeros(2, 4, 16)  # two sizes in turn: each compiles at its 2nd call, captures at its 4th
+        run = compiled(model, inference_cuda_graph_scope="layer", cuda_graph_warmup_steps=3)
+        banked = []
+        with torch.no_grad():
+            for i in range(12):
+                x = torch.randn(2, 2 + i % 2, 8, generator=torch.Generator().manual_seed(i))
+                torch._dynamo.mark_dynamic(x, 1)
+                self.assertTrue(torch.equal(run(x, cache)[0], model(x, cache)[0]))
+                [runner] = [r for rt in live_runtimes() if id(rt) not in earlier for r in rt.runners()]
+                banked.append(runner.bank_size())
+        self.assertEqual(banked, [0, 0, 1, 2] + [2] * 8)
+        row = partition_row(runner.name)
+        self.assertEqual((row["calls"], row["warmup_calls"], row["captures"], row["replays"]), (12, 6, 2, 4))
 
 
 class ConcatCacheStep(nn.Module):

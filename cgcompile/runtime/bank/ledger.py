@@ -55,6 +55,8 @@ class BankLedger:
         self.param_sets: Dict[int, ParamSetState] = {}
         self.usage: Dict[Any, Usage] = {}  # forward/inference instance alive -> its record
         self.unjudged_sizes: Dict[Any, List[int]] = {}  # bank key -> [counters.calls when first seen, calls]
+        self.sizes_seen: Dict[Any, None] = {}  # every bank key seen before a stop, in the order they first came
+        self.early_warmups: Dict[Any, Dict[int, int]] = {}  # bank key not compiled yet -> {parameter set: calls}
         self.sizes_judged = 0
         self.sets_gone_uncaptured = 0  # parameter sets whose identity died before they captured anything
 
@@ -87,14 +89,41 @@ class BankLedger:
         if sizes is not None:
             sizes[1] += calls
 
+    def not_compiled(self, bank_key: Any) -> Tuple[bool, Optional[str]]:
+        """A call of a size with no compiled entry: (was it seen before (size_seen), else why to stop capturing new
+        sizes, the sizes seen before judged (size_arrived))."""
+        if bank_key in self.sizes_seen:
+            self.size_seen(bank_key)
+            return True, None
+        return False, self.size_arrived()
+
     def size_arrived(self) -> Optional[str]:
         """A call brought an input size never seen: counted, and the sizes seen before judged (judge_sizes)."""
         self.counters.sizes += 1
         return self.judge_sizes()
 
     def new_size(self, bank_key: Any) -> None:
-        """A size compiled for the first time: judged JUDGE_AFTER calls per parameter set from now."""
+        """A size seen for the first time: judged JUDGE_AFTER calls per parameter set from now."""
         self.unjudged_sizes[bank_key] = [self.counters.calls, 1]
+        self.sizes_seen[bank_key] = None
+
+    def uncompiled_warmup(self, bank_key: Any, param_set: int) -> None:
+        """A new size's first call, run uncompiled (a size compiles when it comes again): counted on the clocks as
+        one of its warmup calls, which its graph family takes over once compiled (adopt_warmups)."""
+        self.state(param_set).calls += 1
+        counters = self.counters
+        counters.calls += 1
+        counters.warmup_calls += 1
+        counters.misses += 1
+        calls = self.early_warmups.setdefault(bank_key, {})
+        calls[param_set] = calls.get(param_set, 0) + 1
+
+    def adopt_warmups(self, bank_key: Any, family: Any) -> None:
+        """`bank_key` compiled into `family`: the warmup calls its size ran uncompiled count as the family's."""
+        for param_set, calls in self.early_warmups.pop(bank_key, {}).items():
+            state = self.param_sets.get(param_set)
+            if state is not None:  # (a set whose identity died is gone already)
+                state.warm[family] = state.warm.get(family, 0) + calls
 
     def uncompiled_call(self) -> None:
         """A call of a new size after the partition stopped capturing them: run eagerly."""
@@ -190,12 +219,12 @@ class BankLedger:
         state = self.param_sets.get(param_set)
         return state is not None and (bool(state.unjudged) or state.calls >= state.next_sweep)
 
-    def judge(self, param_set: int, banked_sizes: int) -> Tuple[List[Any], Optional[str]]:
+    def judge(self, param_set: int) -> Tuple[List[Any], Optional[str]]:
         """Graphs of this parameter set not run again within JUDGE_AFTER of its calls per graph of it: wasted (to
         release); and why to stop capturing new sizes, when most judged graphs were (policy.mostly_wasted)."""
         state = self.param_sets[param_set]
         wasted = []
-        cycle = policy.cycle(state.graphs, banked_sizes)
+        cycle = policy.cycle(state.graphs, len(self.sizes_seen))
         counters = self.counters
         while state.unjudged and policy.is_judged(state.unjudged[0][0], state.calls, cycle):
             graph = state.unjudged.popleft()[1]()
@@ -226,11 +255,11 @@ class BankLedger:
                     f"not again")
         return None
 
-    def sweep(self, param_set: int, graphs: Iterable[Any], banked_sizes: int) -> List[Any]:
+    def sweep(self, param_set: int, graphs: Iterable[Any]) -> List[Any]:
         """This parameter set's graphs not run within the window (policy.is_stale): to release. A sweep is a pass
         over the set's graphs, so it comes once per RELEASE_WINDOW of its calls."""
         state = self.param_sets[param_set]
         state.next_sweep = state.calls + policy.RELEASE_WINDOW
-        cycle = policy.cycle(state.graphs, banked_sizes)
+        cycle = policy.cycle(state.graphs, len(self.sizes_seen))
         return [graph for graph in graphs if policy.is_stale(self.usage[graph].last_use, state.calls, cycle)]
 

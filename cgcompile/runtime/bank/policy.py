@@ -118,7 +118,7 @@ def never_warm(sets_gone: int, warmup_steps: int, budget: int = WARMUP_BUDGET) -
 
 def cycle(graphs: int, sizes: int) -> int:
     """How many calls of a parameter set a steady loop takes to come round to each of its graphs: its graphs
-    (sizes, grad and no-grad, instances), or the input sizes in rotation when more (each compiled size)."""
+    (sizes, grad and no-grad, instances), or the input sizes in rotation when more (each size seen)."""
     return max(1, graphs, sizes)
 
 

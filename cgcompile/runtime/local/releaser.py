@@ -43,7 +43,7 @@ class GraphReleaser:
         if state is None:
             return
         if state.unjudged:
-            wasted, stop = ledger.judge(param_set, len(self.bank))
+            wasted, stop = ledger.judge(param_set)
             self.release(wasted, f"not run again within {bank_policy.JUDGE_AFTER} calls of its layer per graph of "
                                  f"it after its capture")
             if stop is not None:
@@ -54,7 +54,7 @@ class GraphReleaser:
     def sweep(self, param_set: int) -> None:
         """Release this parameter set's graphs not run within the window (bank_policy.is_stale)."""
         graphs = [graph for family in self.families() for graph in family.instances.get(param_set, ())]
-        self.release(self.ledger.sweep(param_set, graphs, len(self.bank)),
+        self.release(self.ledger.sweep(param_set, graphs),
                      f"not run in its layer's last {bank_policy.RELEASE_WINDOW} calls per graph of it")
 
     def release(self, graphs: List[GraphInstance], why: str, force: bool = False) -> None:

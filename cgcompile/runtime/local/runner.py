@@ -1,6 +1,7 @@
 """The local runtime, per partition: each captured partition runs as forward/backward (or inference) graphs.
 
-Per partition, aot_autograd (run lazily at the first call of each input signature, with the real tensors)
+Per partition, aot_autograd (run lazily at the first call of each input signature, with the real tensors; for a
+partition whose sizes vary, at a size's second call: its first runs uncompiled, see `compiles_on_second_call`)
 splits the submodule into functional aten forward and backward graphs, each run by a `GraphFamily`
 (runtime/local/family.py: one `BankEntry` per graph-bank key, runtime/bank/key.py). This module is the
 partition's side: `PartitionRunner` (the calls, the steady inference replay and the batched counting of its
@@ -79,6 +80,10 @@ class PartitionRunner:
         # Input sizes that vary (symbolic in the trace): graphs of one kind and parameter set write their outputs
         # into shared output arenas (arena.py), so memory follows the largest size, not the number of sizes.
         self.sized = sized
+        # A new size runs uncompiled at its first call (a warmup call), compiled if it comes again: docs/graph-bank.md.
+        # Not with capture_sizes (declared sizes repeat) nor under 2 warmup calls (the compiled graph warms up too).
+        self.compiles_on_second_call = (sized and batch_at is None and driver.captures
+                                        and self.config.cuda_graph_warmup_steps >= 2)
         self.call: Optional[PartitionCall] = None  # the call in progress (call.py)
         self.keys = BankKey(self.static_indices, static_shapes)  # a call's bank key
         self.param_sets = ParamSetIdentity(self.static_indices)  # a call's parameter set
@@ -151,11 +156,9 @@ class PartitionRunner:
                 return self.submod(*args)
         else:
             self.ledger.size_seen(key)
-        param_set = self.param_sets.of(args)
-        if self.param_sets.arrived(param_set):
-            if self._sets_gone(args):
-                return self.submod(*args)
-            self.param_sets.watch(args, param_set)
+        param_set = self._param_set(args)
+        if param_set is None:
+            return self.submod(*args)
         direct = entry.bumps is not None  # a replay in it becomes its parameter set's steady replay (replayed())
         outer, self.call = self.call, PartitionCall(args, param_set, key, entry, direct)
         try:
@@ -167,26 +170,45 @@ class PartitionRunner:
         return self.container(out)
 
     def _new_entry(self, key: tuple, args: Sequence[Any]) -> Optional[BankEntry]:
-        """A call brought an input signature never seen: judge the sizes seen before, compile this one (None:
-        the call runs uncompiled, the partition having stopped capturing new sizes or failed)."""
+        """A call brought an input signature not compiled: judge the sizes seen before, compile this one (None:
+        the call runs uncompiled: the partition stopped capturing new sizes or failed, or the size is new and
+        compiles only if it comes again)."""
         ledger = self.ledger
-        stop = ledger.size_arrived()
+        seen, stop = ledger.not_compiled(key)
         if stop is not None:
             self.releaser.stop(stop)
         if ledger.counters.stopped is not None:  # no compile for a size that will not be captured
             ledger.uncompiled_call()
+            return None
+        if not seen and self.compiles_on_second_call:
+            param_set = self._param_set(args)
+            if param_set is not None:
+                ledger.new_size(key)
+                ledger.uncompiled_warmup(key, param_set)
             return None
         try:
             entry = self.bank[key] = BankEntry(self, args)
         except Exception as exc:
             self.fail(f"compiling it failed: {type(exc).__name__}: {exc}")
             return None
-        ledger.new_size(key)
+        if seen:
+            ledger.adopt_warmups(key, entry.forward or entry.inference)
+        else:
+            ledger.new_size(key)
         return entry
+
+    def _param_set(self, args: Sequence[Any]) -> Optional[int]:
+        """The call's parameter set, watched from its first call (None: the partition fell back, _sets_gone)."""
+        param_set = self.param_sets.of(args)
+        if self.param_sets.arrived(param_set):
+            if self._sets_gone(args):
+                return None
+            self.param_sets.watch(args, param_set)
+        return param_set
 
     def growing_size(self) -> Optional[str]:
         """Which input size grew by a fixed amount at each new size of the bank, if one did (size_trend.py)."""
-        return growing_size(list(self.bank), self.keys.dynamic or (), self.inputs.input_names)
+        return growing_size(list(self.ledger.sizes_seen), self.keys.dynamic or (), self.inputs.input_names)
 
     def _sets_gone(self, args: Sequence[Any]) -> bool:
         """A new parameter set arrived: the sets whose identity died leave the ledger; True when the partition
