@@ -89,7 +89,7 @@ def measure(rank, meter, reshard, keep, compiled):
         if compiled else model
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ids = {id(p) for p in model.parameters()}
-    losses, peak, held, copied, warm = [], 0, 0, 0, None
+    losses, held, warm = [], 0, None
     for step in range(STEPS):
         if step == WARMUP:
             meter.params = [p for p in _compat.fsdp2_params() if id(p.sharded) in ids]

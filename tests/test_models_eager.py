@@ -13,9 +13,9 @@ import torch
 import cgcompile
 
 try:
-    from tests.models import MODELS, dense_gpt, hf_style, mamba, moe
+    from tests.models import MODELS, dense_gpt, hf_style, moe
 except ModuleNotFoundError:  # tests/ itself on sys.path (pytest rootdir-less import mode)
-    from models import MODELS, dense_gpt, hf_style, mamba, moe
+    from models import MODELS, dense_gpt, hf_style, moe
 
 NAMES = sorted(MODELS)
 VOCAB = 64
