@@ -26,6 +26,7 @@ from torch._higher_order_ops.associative_scan import associative_scan
 
 import cgcompile
 from cgcompile.backend import record_plans
+from cgcompile.runtime import live_runtimes
 from cgcompile.runtime.drivers.thread_state import GlobalState
 
 D = 8
@@ -186,3 +187,38 @@ def test_random_models_train_like_eager(layout, data, min_ops, strict_modules, s
                 assert {r.category for r in partition.reasons} <= explained, partition
     if any(p.captured for graph in rec.graphs if graph.training for p in graph.partitions):
         assert stats["graphs_captured"] > 0 and stats["steady_replays"] > 0, stats
+
+
+def test_every_pattern_with_sizes_that_vary_trains_like_eager():
+    """Every pattern above in one stack, at the default warmup, with a sequence length that varies: the partitions
+    are traced with a symbolic size, so each size runs uncompiled at its first call and compiles when it comes again
+    (runtime/local/runner.py). Loss, gradients, buffers and global state match eager at every step, and the sizes
+    that repeat are captured and replayed; the one that comes once never compiles."""
+    layout = [(p, None, False) for p in PATTERNS]
+    model, reference = build(layout)
+    compiled = torch.compile(model, backend="cudagraph_modules", options={"driver": "emulate"})
+    lengths = [5, 7] * 5 + [9, 5, 7]
+    for step, length in enumerate(lengths):
+        x = torch.randn(2, length, D, generator=torch.Generator().manual_seed(step))
+        torch._dynamo.mark_dynamic(x, 1)
+        torch.manual_seed(1000 + step)
+        loss = compiled(x)
+        state_after_compiled = GlobalState.now()
+        torch.manual_seed(1000 + step)
+        expected = reference(x)
+        assert state_after_compiled == GlobalState.now(), f"step {step}: global state differs from eager's"
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6, msg=f"loss at step {step}")
+        loss.backward()
+        expected.backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"{name} at step {step}")
+        model.zero_grad()
+        reference.zero_grad()
+        for (name, b), c in zip(model.named_buffers(), reference.buffers()):
+            torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=f"buffer {name} at step {step}")
+    stats = cgcompile.stats()
+    assert stats["eager_fallbacks"] == [], stats["eager_fallbacks"]
+    sized = [r for rt in live_runtimes() for r in rt.runners() if r.sized]
+    assert sized and all(r.bank_size() <= 2 for r in sized), [(r.name, r.bank_size()) for r in sized]  # never 9
+    assert any(r.bank_counters().sizes == 3 and r.bank_size() == 2 for r in sized)  # 9 seen, run uncompiled
+    assert stats["steady_replays"] > 0 and all(r.bank_counters().replays > 0 for r in sized), stats
