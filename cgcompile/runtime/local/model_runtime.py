@@ -143,11 +143,12 @@ class ModelRuntime:
 
     def partition_stats(self) -> List[Dict[str, Any]]:
         """Per partition that ran since it was created or released: its frame and graph-bank accounting
-        (bank_policy.BankCounters), the bytes its graphs hold, why it fell back to eager for good (or None), and
-        its measured times (option measure_benefit: bank/benefit.py)."""
+        (bank_policy.BankCounters), how many of its sizes were compiled, the bytes its graphs hold, why it fell back
+        to eager for good (or None), and its measured times (option measure_benefit: bank/benefit.py)."""
         counted = [(r, r.bank_counters()) for r in self.runners()]
-        return [{"partition": r.name, "frame": r.frame, **counters.as_dict(), "graph_bytes": self.bytes_of(r),
-                 "fallback": r.broken, **r.benefit.meter.as_dict(max(1, len(r.ledger.param_sets)))}
+        return [{"partition": r.name, "frame": r.frame, **counters.as_dict(), "compiled_sizes": r.bank_size(),
+                 "graph_bytes": self.bytes_of(r), "fallback": r.broken,
+                 **r.benefit.meter.as_dict(max(1, len(r.ledger.param_sets)))}
                 for r, counters in counted if counters.calls]
 
     def bytes_of(self, runner: Any) -> int:
