@@ -181,6 +181,40 @@ class TestSizesThatDoNotRepeat(expecttest.TestCase):
         self.assertEqual((row["calls"], row["warmup_calls"], row["captures"], row["replays"]), (12, 6, 2, 4))
 
 
+    def test_a_cache_grown_in_every_layer_of_a_frame_the_layers_share_stops_too(self):
+        """Layers that graph-break share one compiled frame, so each decode step's new size meets the partition
+        once per layer. A size repeats only when a layer meets it again: no size is compiled, the partition stops
+        with the growth named, and each size counts once however many layers met it."""
+        model = LayeredConcatCache(layers=4).eval()
+        run = compiled(model, inference_cuda_graph_scope="layer", cuda_graph_warmup_steps=3)
+        caches = [[torch.zeros(2, 4, 16) for _ in range(4)] for _ in range(2)]
+        with torch.no_grad(), self.assertLogs("cgcompile", level="WARNING") as logs:
+            for i in range(24):
+                x = torch.randn(2, 1, 8, generator=torch.Generator().manual_seed(i))
+                (got, caches[0]), (want, caches[1]) = run(x, caches[0]), model(x, caches[1])
+                self.assertTrue(torch.equal(got, want) and all(map(torch.equal, caches[0], caches[1])))
+        [row] = [p for p in cgcompile.stats()["partitions"] if p["stopped"]]
+        self.assertEqual(len([m for m in logs.output if "stops capturing" in m]), 1)
+        self.assertIn("dim 1 grew by 1 at each new size", row["stopped"])
+        self.assertEqual((row["calls"], row["compiled_sizes"], row["sizes"]), (4 * 23, 0, 23))  # steps 2..24: cache sizes 5..27
+
+
+class LayeredConcatCache(nn.Module):
+    """ConcatCacheStep layers with a graph break in each: one compiled frame serves every layer."""
+
+    def __init__(self, layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList([ConcatCacheStep() for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor, caches: list):
+        grown = []
+        for layer, cache in zip(self.layers, caches):
+            x, cache = layer(x, cache)
+            torch._dynamo.graph_break()
+            grown.append(cache)
+        return x, grown
+
+
 class ConcatCacheStep(nn.Module):
     """One attention step over a key/value cache grown by concatenation at every call."""
 

@@ -54,9 +54,11 @@ class BankLedger:
         self.counters = policy.BankCounters()
         self.param_sets: Dict[int, ParamSetState] = {}
         self.usage: Dict[Any, Usage] = {}  # forward/inference instance alive -> its record
-        self.unjudged_sizes: Dict[Any, List[int]] = {}  # bank key -> [counters.calls when first seen, calls]
+        # bank key -> [counters.calls when first seen, the parameter sets that met it once (None: one met it again)]
+        self.unjudged_sizes: Dict[Any, list] = {}
         self.sizes_seen: Dict[Any, None] = {}  # every bank key seen before a stop, in the order they first came
         self.early_warmups: Dict[Any, Dict[int, int]] = {}  # bank key not compiled yet -> {parameter set: calls}
+        self.seen_after_stop: Dict[Any, None] = {}  # the latest bank keys seen after a stop (SIZES_KEPT_AFTER_STOP)
         self.sizes_judged = 0
         self.sets_gone_uncaptured = 0  # parameter sets whose identity died before they captured anything
 
@@ -83,28 +85,43 @@ class BankLedger:
         counters.misses += 1
         return True
 
-    def size_seen(self, bank_key: Any, calls: int = 1) -> None:
-        """Calls of an input size that may still be awaiting judgement."""
+    def size_seen(self, bank_key: Any, param_set: int) -> None:
+        """A call of an input size that may still be awaiting judgement. A size repeats when a parameter set meets
+        it again: in a frame one layer after another calls, every layer meets each step's size once."""
         sizes = self.unjudged_sizes.get(bank_key)
-        if sizes is not None:
-            sizes[1] += calls
+        if sizes is not None and sizes[1] is not None:
+            if param_set in sizes[1]:
+                sizes[1] = None
+            else:
+                sizes[1].add(param_set)
 
-    def not_compiled(self, bank_key: Any) -> Tuple[bool, Optional[str]]:
+    def not_compiled(self, bank_key: Any, param_set: int) -> Tuple[bool, Optional[str]]:
         """A call of a size with no compiled entry: (was it seen before (size_seen), else why to stop capturing new
         sizes, the sizes seen before judged (size_arrived))."""
         if bank_key in self.sizes_seen:
-            self.size_seen(bank_key)
+            self.size_seen(bank_key, param_set)
             return True, None
-        return False, self.size_arrived()
+        if bank_key in self.seen_after_stop:
+            return True, None
+        stop = self.size_arrived()
+        if stop is not None or self.counters.stopped is not None:  # sizes are not kept after a stop: only the
+            self.seen_after_stop[bank_key] = None  # latest few, so a size met by every layer counts once
+            if len(self.seen_after_stop) > policy.SIZES_KEPT_AFTER_STOP:
+                del self.seen_after_stop[next(iter(self.seen_after_stop))]
+        return False, stop
+
+    def met_before(self, bank_key: Any, param_set: int) -> bool:
+        """Did `param_set` run this size uncompiled at an earlier call (uncompiled_warmup)?"""
+        return param_set in self.early_warmups.get(bank_key, ())
 
     def size_arrived(self) -> Optional[str]:
         """A call brought an input size never seen: counted, and the sizes seen before judged (judge_sizes)."""
         self.counters.sizes += 1
         return self.judge_sizes()
 
-    def new_size(self, bank_key: Any) -> None:
+    def new_size(self, bank_key: Any, param_set: int) -> None:
         """A size seen for the first time: judged JUDGE_AFTER calls per parameter set from now."""
-        self.unjudged_sizes[bank_key] = [self.counters.calls, 1]
+        self.unjudged_sizes[bank_key] = [self.counters.calls, {param_set}]
         self.sizes_seen[bank_key] = None
 
     def uncompiled_warmup(self, bank_key: Any, param_set: int) -> None:
@@ -144,7 +161,7 @@ class BankLedger:
         self.counters.calls += calls
         self.counters.replays += calls
         usage.last_use = state.calls
-        self.size_seen(bank_key, calls)
+        self.size_seen(bank_key, usage.param_set)
 
     def captured(self, param_set: int, graph: Any, streak: int = 0) -> None:
         state = self.state(param_set)
@@ -240,16 +257,17 @@ class BankLedger:
         return wasted, stop
 
     def judge_sizes(self) -> Optional[str]:
-        """Sizes first seen JUDGE_AFTER calls per parameter set ago are judged: seen once only, they did not
-        repeat. Why to stop capturing new sizes, when most judged did not (policy.mostly_wasted)."""
+        """Sizes first seen JUDGE_AFTER calls per parameter set ago are judged: met once only by each parameter set
+        that met them, they did not repeat. Why to stop capturing new sizes, when most judged did not
+        (policy.mostly_wasted)."""
         cycle = max(1, len(self.param_sets))
         counters = self.counters
-        for bank_key, (first, calls) in list(self.unjudged_sizes.items()):
+        for bank_key, (first, met_once) in list(self.unjudged_sizes.items()):
             if not policy.is_judged(first, counters.calls, cycle):
                 break
             del self.unjudged_sizes[bank_key]
             self.sizes_judged += 1
-            counters.one_off_sizes += calls == 1
+            counters.one_off_sizes += met_once is not None
         if counters.stopped is None and policy.mostly_wasted(counters.one_off_sizes, self.sizes_judged):
             return (f"{counters.one_off_sizes} of the {self.sizes_judged} input sizes judged so far came once and "
                     f"not again")

@@ -16,8 +16,8 @@ The rules (thresholds chosen by measurement, docs/graph-bank.md), in rounds of t
 - judge: a graph not run again within `JUDGE_AFTER` of them after its capture is *wasted*: released;
 - release: a graph not run in the last `RELEASE_WINDOW` of them is released;
 - stop on sizes that do not repeat: once `WASTED_TO_STOP` graphs were wasted and they are at least half of those
-  judged, or as many input sizes (graph-bank keys) were seen once and never again within `JUDGE_AFTER` calls
-  per parameter set, at least half of the sizes so judged: the partition stops capturing new sizes; the graphs
+  judged, or as many input sizes (graph-bank keys) were met by no parameter set (layer) again within
+  `JUDGE_AFTER` calls per parameter set, at least half of the sizes so judged: the partition stops capturing new sizes; the graphs
   it has keep replaying;
 - stop on a re-capture storm: a graph re-captured `STORM_STREAK` times in a row (static input moved) with no
   replay in between: the partition runs eagerly from then on;
@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Optional
 
-__all__ = ["JUDGE_AFTER", "RELEASE_WINDOW", "STORM_STREAK", "WASTED_TO_STOP", "BankCounters", "cycle", "is_judged",
+__all__ = ["JUDGE_AFTER", "RELEASE_WINDOW", "SIZES_KEPT_AFTER_STOP", "STORM_STREAK", "WASTED_TO_STOP", "BankCounters", "cycle", "is_judged",
            "is_stale", "mostly_wasted", "never_warm", "recapture_streak", "stop_message", "storm", "WARMUP_BUDGET"]
 
 RELEASE_WINDOW = 16
@@ -40,6 +40,7 @@ JUDGE_AFTER = 4
 WASTED_TO_STOP = 6
 STORM_STREAK = 3
 WARMUP_BUDGET = 4
+SIZES_KEPT_AFTER_STOP = 64  # input sizes remembered after a stop, so `sizes` counts a size the layers share once
 
 
 @dataclasses.dataclass

@@ -80,7 +80,7 @@ class PartitionRunner:
         # Input sizes that vary (symbolic in the trace): graphs of one kind and parameter set write their outputs
         # into shared output arenas (arena.py), so memory follows the largest size, not the number of sizes.
         self.sized = sized
-        # A new size runs uncompiled at its first call (a warmup call), compiled if it comes again: docs/graph-bank.md.
+        # A size runs uncompiled at a layer's first call (a warmup call), compiled if it comes again: graph-bank.md.
         # Not with capture_sizes (declared sizes repeat) nor under 2 warmup calls (the compiled graph warms up too).
         self.compiles_on_second_call = (sized and batch_at is None and driver.captures
                                         and self.config.cuda_graph_warmup_steps >= 2)
@@ -150,15 +150,15 @@ class PartitionRunner:
             self.param_sets.learn(args)
         key = self.keys.of(args)
         entry = self.bank.get(key)
-        if entry is None:
-            entry = self._new_entry(key, args)
-            if entry is None:
-                return self.submod(*args)
-        else:
-            self.ledger.size_seen(key)
         param_set = self._param_set(args)
         if param_set is None:
             return self.submod(*args)
+        if entry is None:
+            entry = self._new_entry(key, args, param_set)
+            if entry is None:
+                return self.submod(*args)
+        else:
+            self.ledger.size_seen(key, param_set)
         direct = entry.bumps is not None  # a replay in it becomes its parameter set's steady replay (replayed())
         outer, self.call = self.call, PartitionCall(args, param_set, key, entry, direct)
         try:
@@ -169,22 +169,21 @@ class PartitionRunner:
             return out[0]
         return self.container(out)
 
-    def _new_entry(self, key: tuple, args: Sequence[Any]) -> Optional[BankEntry]:
+    def _new_entry(self, key: tuple, args: Sequence[Any], param_set: int) -> Optional[BankEntry]:
         """A call brought an input signature not compiled: judge the sizes seen before, compile this one (None:
-        the call runs uncompiled: the partition stopped capturing new sizes or failed, or the size is new and
-        compiles only if it comes again)."""
+        the call runs uncompiled: the partition stopped capturing new sizes or failed, or the size is new to this
+        parameter set and compiles only if it comes again)."""
         ledger = self.ledger
-        seen, stop = ledger.not_compiled(key)
+        seen, stop = ledger.not_compiled(key, param_set)
         if stop is not None:
             self.releaser.stop(stop)
         if ledger.counters.stopped is not None:  # no compile for a size that will not be captured
             ledger.uncompiled_call()
             return None
-        if not seen and self.compiles_on_second_call:
-            param_set = self._param_set(args)
-            if param_set is not None:
-                ledger.new_size(key)
-                ledger.uncompiled_warmup(key, param_set)
+        if self.compiles_on_second_call and not ledger.met_before(key, param_set):
+            if not seen:
+                ledger.new_size(key, param_set)
+            ledger.uncompiled_warmup(key, param_set)
             return None
         try:
             entry = self.bank[key] = BankEntry(self, args)
@@ -194,7 +193,7 @@ class PartitionRunner:
         if seen:
             ledger.adopt_warmups(key, entry.forward or entry.inference)
         else:
-            ledger.new_size(key)
+            ledger.new_size(key, param_set)
         return entry
 
     def _param_set(self, args: Sequence[Any]) -> Optional[int]:
