@@ -26,7 +26,8 @@ class ParamSetState:
 
     calls: int = 0  # forward/inference calls with it: the clock its graphs are judged on
     graphs: int = 0  # its live forward/inference instances
-    warm: Dict[Any, int] = dataclasses.field(default_factory=dict)  # warmup calls per graph family
+    # warmup calls per graph family, or per bank key not compiled yet (its calls run uncompiled, adopt_warmups)
+    warm: Dict[Any, int] = dataclasses.field(default_factory=dict)
     unjudged: "collections.deque" = dataclasses.field(default_factory=collections.deque)  # (captured at, graph ref)
     next_sweep: int = 0
     captures: int = 0  # graphs it ever captured
@@ -57,7 +58,6 @@ class BankLedger:
         # bank key -> [counters.calls when first seen, the parameter sets that met it once (None: one met it again)]
         self.unjudged_sizes: Dict[Any, list] = {}
         self.sizes_seen: Dict[Any, None] = {}  # every bank key seen before a stop, in the order they first came
-        self.early_warmups: Dict[Any, Dict[int, int]] = {}  # bank key not compiled yet -> {parameter set: calls}
         self.seen_after_stop: Dict[Any, None] = {}  # the latest bank keys seen after a stop (SIZES_KEPT_AFTER_STOP)
         self.sizes_judged = 0
         self.sets_gone_uncaptured = 0  # parameter sets whose identity died before they captured anything
@@ -112,7 +112,8 @@ class BankLedger:
 
     def met_before(self, bank_key: Any, param_set: int) -> bool:
         """Did `param_set` run this size uncompiled at an earlier call (uncompiled_warmup)?"""
-        return param_set in self.early_warmups.get(bank_key, ())
+        state = self.param_sets.get(param_set)
+        return state is not None and bank_key in state.warm
 
     def size_arrived(self) -> Optional[str]:
         """A call brought an input size never seen: counted, and the sizes seen before judged (judge_sizes)."""
@@ -125,21 +126,16 @@ class BankLedger:
         self.sizes_seen[bank_key] = None
 
     def uncompiled_warmup(self, bank_key: Any, param_set: int) -> None:
-        """A new size's first call, run uncompiled (a size compiles when it comes again): counted on the clocks as
-        one of its warmup calls, which its graph family takes over once compiled (adopt_warmups)."""
-        self.state(param_set).calls += 1
-        counters = self.counters
-        counters.calls += 1
-        counters.warmup_calls += 1
-        counters.misses += 1
-        calls = self.early_warmups.setdefault(bank_key, {})
-        calls[param_set] = calls.get(param_set, 0) + 1
+        """A size's first call with this parameter set, run uncompiled (a size compiles when it comes again):
+        counted as one of its warmup calls, on the bank key until its graph family takes it over (adopt_warmups).
+        The runner defers only with 2 or more warmup calls, so this call is always one."""
+        self.warming_up(bank_key, param_set)
 
     def adopt_warmups(self, bank_key: Any, family: Any) -> None:
         """`bank_key` compiled into `family`: the warmup calls its size ran uncompiled count as the family's."""
-        for param_set, calls in self.early_warmups.pop(bank_key, {}).items():
-            state = self.param_sets.get(param_set)
-            if state is not None:  # (a set whose identity died is gone already)
+        for state in self.param_sets.values():  # (a set whose identity died is gone already, with its calls)
+            calls = state.warm.pop(bank_key, 0)
+            if calls:
                 state.warm[family] = state.warm.get(family, 0) + calls
 
     def uncompiled_call(self) -> None:

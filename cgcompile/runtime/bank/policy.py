@@ -17,8 +17,8 @@ The rules (thresholds chosen by measurement, docs/graph-bank.md), in rounds of t
 - release: a graph not run in the last `RELEASE_WINDOW` of them is released;
 - stop on sizes that do not repeat: once `WASTED_TO_STOP` graphs were wasted and they are at least half of those
   judged, or as many input sizes (graph-bank keys) were met by no parameter set (layer) again within
-  `JUDGE_AFTER` calls per parameter set, at least half of the sizes so judged: the partition stops capturing new sizes; the graphs
-  it has keep replaying;
+  `JUDGE_AFTER` calls per parameter set, at least half of the sizes so judged: the partition stops capturing new
+  sizes; the graphs it has keep replaying;
 - stop on a re-capture storm: a graph re-captured `STORM_STREAK` times in a row (static input moved) with no
   replay in between: the partition runs eagerly from then on;
 - stop on a warmup that never ends: `WARMUP_BUDGET` x `cuda_graph_warmup_steps` parameter sets (at least
@@ -32,8 +32,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Optional
 
-__all__ = ["JUDGE_AFTER", "RELEASE_WINDOW", "SIZES_KEPT_AFTER_STOP", "STORM_STREAK", "WASTED_TO_STOP", "BankCounters", "cycle", "is_judged",
-           "is_stale", "mostly_wasted", "never_warm", "recapture_streak", "stop_message", "storm", "WARMUP_BUDGET"]
+__all__ = ["JUDGE_AFTER", "RELEASE_WINDOW", "SIZES_KEPT_AFTER_STOP", "STORM_STREAK", "WASTED_TO_STOP", "BankCounters",
+           "cycle", "is_judged", "is_stale", "mostly_wasted", "never_warm", "recapture_streak", "stop_message", "storm",
+           "WARMUP_BUDGET"]
 
 RELEASE_WINDOW = 16
 JUDGE_AFTER = 4

@@ -150,9 +150,11 @@ class PartitionRunner:
             self.param_sets.learn(args)
         key = self.keys.of(args)
         entry = self.bank.get(key)
-        param_set = self._param_set(args)
-        if param_set is None:
-            return self.submod(*args)
+        param_set = self.param_sets.of(args)
+        if self.param_sets.arrived(param_set):
+            if self._sets_gone(args):
+                return self.submod(*args)
+            self.param_sets.watch(args, param_set)
         if entry is None:
             entry = self._new_entry(key, args, param_set)
             if entry is None:
@@ -195,15 +197,6 @@ class PartitionRunner:
         else:
             ledger.new_size(key, param_set)
         return entry
-
-    def _param_set(self, args: Sequence[Any]) -> Optional[int]:
-        """The call's parameter set, watched from its first call (None: the partition fell back, _sets_gone)."""
-        param_set = self.param_sets.of(args)
-        if self.param_sets.arrived(param_set):
-            if self._sets_gone(args):
-                return None
-            self.param_sets.watch(args, param_set)
-        return param_set
 
     def growing_size(self) -> Optional[str]:
         """Which input size grew by a fixed amount at each new size of the bank, if one did (size_trend.py)."""
