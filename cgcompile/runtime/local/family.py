@@ -198,22 +198,22 @@ class GraphFamily:
     def _replayable(self, key: int, args: list) -> Tuple[Optional[GraphInstance], Optional[str]]:
         """An instance of this parameter set whose addresses match `args` and that may replay now (the one rule,
         GraphInstance.replay_blocker, which the steady replay calls too), or None, with the lesson a blocked one
-        taught, if any. What blocks one is learnt from: the instance held with nothing pending (outputs a caller
-        keeps beyond its step: handed out as copies from then on), a later graph held (its family learns the
-        same), a backward graph whose grads, `.grad` (stolen aliases, or static grads in the fresh DTensor that
-        AccumulateGrad steals), the loop kept past its step (`g = p.grad` in a logger: it copies them from then
-        on). A lesson means the blocked instance is free again once the holder lets go, so the call runs eagerly
-        instead of capturing another instance per lesson (without warmup, each would otherwise cost a graph)."""
-        pool_blocker = self.part.runtime.memory.pool_blocker
+        taught, if any. When every matching instance is blocked, reference cycles are collected first and the
+        instances looked at again (runtime/memory/garbage.py): garbage holding a graph is no lesson and no reason
+        for another instance. What blocks one is learnt from: the instance held with nothing pending (outputs a
+        caller keeps beyond its step: handed out as copies from then on), a later graph held (its family learns
+        the same), a backward graph whose grads, `.grad` (stolen aliases, or static grads in the fresh DTensor
+        that AccumulateGrad steals), the loop kept past its step (`g = p.grad` in a logger: it copies them from
+        then on). A lesson means the blocked instance is free again once the holder lets go, so the call runs
+        eagerly instead of capturing another instance per lesson (without warmup, each would otherwise cost a
+        graph)."""
+        graph, blocked = self._first_free(key, args)
+        if graph is None and blocked and self.part.runtime.cycles.collect_for([b for _, b in blocked]):
+            graph, blocked = self._first_free(key, args)
         lesson = None
-        for graph in self.instances.get(key, ()):
-            if not graph.addresses_match(args):
-                continue
-            blocker = graph.replay_blocker(pool_blocker)
-            if blocker is None:
-                return graph, None
-            if blocker is graph:
-                if self.learn_held(graph):
+        for held, blocker in blocked:  # (the instances before the one that may replay, if one may)
+            if blocker is held:
+                if self.learn_held(held):
                     lesson = "outputs kept"
             elif blocker.kind == "backward":
                 # (a grad autograd still reads in its backward pass, e.g. in a checkpoint's recompute, is not kept)
@@ -222,7 +222,21 @@ class GraphFamily:
                     lesson = "grads kept"
             elif blocker.family.learn_held(blocker):  # a graph held after this one: a holder its family learns
                 lesson = "outputs kept"
-        return None, lesson
+        return (graph, None) if graph is not None else (None, lesson)
+
+    def _first_free(self, key: int, args: list) -> Tuple[Optional[GraphInstance], List[tuple]]:
+        """The first instance for `args` that may replay now (or None), and (instance, what blocks it) for each
+        whose addresses match before it."""
+        pool_blocker = self.part.runtime.memory.pool_blocker
+        blocked = []
+        for graph in self.instances.get(key, ()):
+            if not graph.addresses_match(args):
+                continue
+            blocker = graph.replay_blocker(pool_blocker)
+            if blocker is None:
+                return graph, blocked
+            blocked.append((graph, blocker))
+        return None, blocked
 
     def _stale(self, key: int, args: list) -> Optional[tuple]:
         """(instance, why) when an instance for these very parameter objects is stale (checked on a miss only): a

@@ -23,6 +23,7 @@ from ..drivers.base import Driver
 from ..drivers.select import EagerDriver, captures_on, get_driver
 from .frame_outputs import copy_out
 from .sources import source_of
+from ..memory.garbage import CycleCollector
 from ..memory.registry import MemoryRegistry
 from .budget import GraphBudget, check_after_capture
 from .instance import GraphInstance, memory_of
@@ -50,6 +51,7 @@ class ModelRuntime:
         self.driver: Driver = get_driver(str(config.driver), device)
         self.device = getattr(self.driver, "device", None) or torch.device(device)  # cuda: with its index
         self.memory = MemoryRegistry()
+        self.cycles = CycleCollector()  # reference cycles collected before a graph looking held is acted on
         self.plan = plan  # the frame's GraphPlan (plan.py): its eager partitions too, for cgcompile.report()
         self.budget = GraphBudget(config, self.driver)  # cuda_graph_memory_budget
         self._pool: Any = None
@@ -196,6 +198,7 @@ class ModelRuntime:
         """A new graph: its memory in the registry (`lenders`: MemoryRegistry.lenders, measured before the
         capture), it among the live graphs, its capture in the counters and the capture wave."""
         self.memory.register(graph, lenders)
+        self.cycles.memory_changed()
         self._live[id(graph)] = graph
         captured = graph.captured
         seconds = graph.capture_seconds
@@ -214,6 +217,7 @@ class ModelRuntime:
 
     def discard(self, graph: Optional[GraphInstance]) -> None:
         """Forget a graph (re-capture, fallback, release): release its memory claims so its storage can be freed."""
+        self.cycles.memory_changed()
         while graph is not None:
             self._live.pop(id(graph), None)
             graph = self.memory.discard(graph)  # then its backward graph
