@@ -47,6 +47,21 @@ __all__ = ["BackwardFamily", "BankEntry", "GraphFamily"]
 log = logging.getLogger("cgcompile")
 
 
+def _first_free(instances: Sequence[GraphInstance], args: Sequence[Any], pool_blocker: Callable
+                ) -> Tuple[Optional[GraphInstance], List[tuple]]:
+    """The first of `instances` whose addresses match `args` that may replay now (or None), and (instance, what
+    blocks it) for each matching one before it."""
+    blocked = []
+    for graph in instances:
+        if not graph.addresses_match(args):
+            continue
+        blocker = graph.replay_blocker(pool_blocker)
+        if blocker is None:
+            return graph, blocked
+        blocked.append((graph, blocker))
+    return None, blocked
+
+
 class EagerHandout:
     """What one eager (warmup) forward run handed out: a weak reference per fresh output storage, and whether its
     backward has run, to learn which positions callers keep beyond their step."""
@@ -122,8 +137,7 @@ class GraphFamily:
         part = self.part
         if part.broken is not None or not part.driver.captures:
             return self.run(args)
-        call = part.call
-        key = call.param_set if call is not None else 0
+        key = part.call.param_set if part.call is not None else 0
         if self._eager:
             self._learn_from_warmup(key)
         if part.warming_up(self, key):
@@ -198,20 +212,22 @@ class GraphFamily:
     def _replayable(self, key: int, args: list) -> Tuple[Optional[GraphInstance], Optional[str]]:
         """An instance of this parameter set whose addresses match `args` and that may replay now (the one rule,
         GraphInstance.replay_blocker, which the steady replay calls too), or None, with the lesson a blocked one
-        taught, if any. When every matching instance is blocked, reference cycles are collected first and the
-        instances looked at again (runtime/memory/garbage.py): garbage holding a graph is no lesson and no reason
-        for another instance. What blocks one is learnt from: the instance held with nothing pending (outputs a
-        caller keeps beyond its step: handed out as copies from then on), a later graph held (its family learns
-        the same), a backward graph whose grads, `.grad` (stolen aliases, or static grads in the fresh DTensor
-        that AccumulateGrad steals), the loop kept past its step (`g = p.grad` in a logger: it copies them from
-        then on). A lesson means the blocked instance is free again once the holder lets go, so the call runs
-        eagerly instead of capturing another instance per lesson (without warmup, each would otherwise cost a
-        graph)."""
-        graph, blocked = self._first_free(key, args)
-        if graph is None and blocked and self.part.runtime.cycles.collect_for([b for _, b in blocked]):
-            graph, blocked = self._first_free(key, args)
+        taught (_lesson). When every one is blocked, reference cycles are collected first and they are looked at
+        again (runtime/memory/garbage.py): garbage holding a graph is no lesson, no reason for another instance."""
+        runtime, instances = self.part.runtime, self.instances.get(key, ())
+        graph, blocked = _first_free(instances, args, runtime.memory.pool_blocker)
+        if graph is None and blocked and runtime.cycles.collect_for([b for _, b in blocked]):
+            graph, blocked = _first_free(instances, args, runtime.memory.pool_blocker)
+        lesson = self._lesson(blocked)  # (from the instances before the one that may replay, if one may)
+        return graph, (lesson if graph is None else None)
+
+    def _lesson(self, blocked: List[tuple]) -> Optional[str]:
+        """What blocked instances teach: held with nothing pending, outputs a caller keeps beyond its step (handed
+        out as copies from then on; a later graph held: its family learns it); a backward graph's grads (`.grad`:
+        stolen aliases, or static grads in the fresh DTensor AccumulateGrad steals) kept past the step (copied
+        from then on). The holder lets go later, so the call runs eagerly rather than capture another instance."""
         lesson = None
-        for held, blocker in blocked:  # (the instances before the one that may replay, if one may)
+        for held, blocker in blocked:
             if blocker is held:
                 if self.learn_held(held):
                     lesson = "outputs kept"
@@ -222,21 +238,7 @@ class GraphFamily:
                     lesson = "grads kept"
             elif blocker.family.learn_held(blocker):  # a graph held after this one: a holder its family learns
                 lesson = "outputs kept"
-        return (graph, None) if graph is not None else (None, lesson)
-
-    def _first_free(self, key: int, args: list) -> Tuple[Optional[GraphInstance], List[tuple]]:
-        """The first instance for `args` that may replay now (or None), and (instance, what blocks it) for each
-        whose addresses match before it."""
-        pool_blocker = self.part.runtime.memory.pool_blocker
-        blocked = []
-        for graph in self.instances.get(key, ()):
-            if not graph.addresses_match(args):
-                continue
-            blocker = graph.replay_blocker(pool_blocker)
-            if blocker is None:
-                return graph, blocked
-            blocked.append((graph, blocker))
-        return None, blocked
+        return lesson
 
     def _stale(self, key: int, args: list) -> Optional[tuple]:
         """(instance, why) when an instance for these very parameter objects is stale (checked on a miss only): a

@@ -9,9 +9,11 @@ would depend on the collector's schedule (an HF Mixtral loop without warmup kept
 other work in the same process). So before such a call keeps its decision, one full collection runs and the
 instances are looked at again, as torch's CUDA graph trees collect before trusting a check of live storages.
 
-Bounded: a collection that freed none of the graphs that blocked the call is not repeated until a graph is
-captured or released (memory_changed), so a loop that really holds its graphs pays one collection, not one per
-call.
+Bounded, since a full collection costs as much as a capture in a large process: only a forward or inference
+instance whose backward is not pending can be held by garbage alone (a pending backward means autograd still
+needs it, as in fwd, fwd, bwd, bwd; grads a backward graph hands out are held by `.grad`), and a collection that
+freed none of the graphs that blocked the call is not repeated until a graph is captured or released
+(memory_changed), so a loop that really holds its graphs pays one collection, not one per call.
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ class CycleCollector:
         self.futile = False
 
     def collect_for(self, blockers: Sequence[Any]) -> bool:
-        """`blockers` (graphs with held()) stop a call from replaying: collect reference cycles, unless the last
-        collection was futile. True when one of them is free now (the caller looks at its instances again)."""
-        if self.futile or not blockers:
+        """`blockers` (graphs with held()) stop a call from replaying: collect reference cycles, when garbage may
+        hold one of them and the last collection was not futile. True when one of them is free now (the caller
+        looks at its instances again)."""
+        if self.futile or not any(_garbage_may_hold(graph) for graph in blockers):
             return False
         gc.collect()
         self.collections += 1
@@ -51,3 +54,8 @@ class CycleCollector:
             log.debug("cgcompile: a garbage collection freed %d graph(s) held only by reference cycles (%s)",
                       len(freed), freed[0].label)
         return bool(freed)
+
+
+def _garbage_may_hold(graph: Any) -> bool:
+    """Could garbage alone hold `graph`: a forward or inference instance, its backward not pending?"""
+    return graph.kind != "backward" and not graph.pending_backward and not graph.in_backward_pass
