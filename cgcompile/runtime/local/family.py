@@ -212,13 +212,13 @@ class GraphFamily:
     def _replayable(self, key: int, args: list) -> Tuple[Optional[GraphInstance], Optional[str]]:
         """An instance of this parameter set whose addresses match `args` and that may replay now (the one rule,
         GraphInstance.replay_blocker, which the steady replay calls too), or None, with the lesson a blocked one
-        taught (_lesson). When every one is blocked, reference cycles are collected first and they are looked at
-        again (runtime/memory/garbage.py): garbage holding a graph is no lesson, no reason for another instance."""
+        taught (_lesson). All blocked: reference cycles are collected and they are looked at again (garbage.py):
+        garbage is no reason for another instance, but its lesson stands, so later steps need no collection."""
         runtime, instances = self.part.runtime, self.instances.get(key, ())
         graph, blocked = _first_free(instances, args, runtime.memory.pool_blocker)
-        if graph is None and blocked and runtime.cycles.collect_for([b for _, b in blocked]):
-            graph, blocked = _first_free(instances, args, runtime.memory.pool_blocker)
         lesson = self._lesson(blocked)  # (from the instances before the one that may replay, if one may)
+        if graph is None and blocked and runtime.cycles.collect_for([b for _, b in blocked]):
+            graph = _first_free(instances, args, runtime.memory.pool_blocker)[0]
         return graph, (lesson if graph is None else None)
 
     def _lesson(self, blocked: List[tuple]) -> Optional[str]:

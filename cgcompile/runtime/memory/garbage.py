@@ -7,7 +7,9 @@ to the oldest generation) that can be many steps later, at a moment set by every
 call that finds every instance held captures another one, and the held one may never run again: the graphs kept
 would depend on the collector's schedule (an HF Mixtral loop without warmup kept 16 graphs alone and 20 after
 other work in the same process). So before such a call keeps its decision, one full collection runs and the
-instances are looked at again, as torch's CUDA graph trees collect before trusting a check of live storages.
+instances are looked at again, as torch's CUDA graph trees collect before trusting a check of live storages. What
+the garbage held is learnt as from any holder (runtime/local/family.py: those outputs are handed out as copies from
+then on), so the garbage of later steps holds copies, not graphs, and needs no collection.
 
 Bounded, since a full collection costs as much as a capture in a large process: only a forward or inference
 instance whose backward is not pending can be held by garbage alone (a pending backward means autograd still
@@ -32,8 +34,6 @@ class CycleCollector:
 
     def __init__(self) -> None:
         self.futile = False  # the last collection freed none of its graphs, and no graph came or went since
-        self.collections = 0
-        self.helped = 0  # collections that freed a graph that blocked a call
 
     def memory_changed(self) -> None:
         """A graph was captured or released: what holds graph memory may have changed."""
@@ -46,11 +46,9 @@ class CycleCollector:
         if self.futile or not any(_garbage_may_hold(graph) for graph in blockers):
             return False
         gc.collect()
-        self.collections += 1
         freed = [graph for graph in blockers if not graph.held()]
         self.futile = not freed
         if freed:
-            self.helped += 1
             log.debug("cgcompile: a garbage collection freed %d graph(s) held only by reference cycles (%s)",
                       len(freed), freed[0].label)
         return bool(freed)
@@ -58,4 +56,4 @@ class CycleCollector:
 
 def _garbage_may_hold(graph: Any) -> bool:
     """Could garbage alone hold `graph`: a forward or inference instance, its backward not pending?"""
-    return graph.kind != "backward" and not graph.pending_backward and not graph.in_backward_pass
+    return graph.kind != "backward" and not graph.pending_backward
