@@ -32,7 +32,7 @@ from cgcompile.runtime.local import runner as partition_runner
 from cgcompile.runtime.drivers.emulate import EmulatedGraph
 from tests.models import kv_gpt
 
-__all__ = ["address_check_times", "decode_host_times", "decode_step_times", "depth_host_times", "glue_bound", "inner_host_times",
+__all__ = ["address_check_times", "decode_candidates", "decode_host_times", "decode_step_times", "depth_host_times", "glue_bound", "inner_host_times",
            "reuse_rows"]
 
 
@@ -225,19 +225,17 @@ def glue_bound(options: dict) -> Callable[[torch.fx.GraphModule, list], Callable
     return backend
 
 
-def decode_step_times(scopes: Sequence[str] = ("layer", "block"), layers: int = 8, rounds: int = 2000,
-                      block: int = 5, inner: str = "eager") -> Dict[str, float]:
-    """Host seconds per whole decode step in a real decode loop (each step at the next position with a new token
-    tensor; emulated replays made no-ops, as a launch), per scope, and two references through Dynamo: "floor", a
-    backend that returns the outputs of its first call (Dynamo's guards and frame call: what any backend pays),
-    and "minimal", a backend that copies the step's non-parameter inputs into buffers of its own in one
-    `_foreach_copy_` and returns clones of its first outputs (what any CUDA-graph backend that copies inputs in
-    and hands out outputs a next replay cannot overwrite pays at least); with layer scope, "layer bound" too
-    (glue_bound: the layers answered from a cache, the glue between them eager). Each round runs `block` steps of every
-    candidate, in turn (the order reversed every other round), and each candidate's time is the median over the
-    rounds of its block's process CPU time: a neighbour's load or a slow moment lands on all candidates alike
-    and on few samples (whole runs of 200 steps per candidate, timed apart, moved the ratio by up to 50% on a
-    shared machine)."""
+def decode_candidates(scopes: Sequence[str] = ("layer", "block"), layers: int = 8, inner: str = "eager"
+                      ) -> Tuple[List[str], Callable[[str, int], None]]:
+    """The decode steps decode_step_times (and step_instructions.py) compare, each a torch.compile of the decode step of
+    one KV-cache model of `layers` layers: "floor", a backend that returns the outputs of its first call (Dynamo's
+    guards and frame call: what any backend pays); "minimal", a backend that copies the step's non-parameter inputs
+    into buffers of its own in one `_foreach_copy_` and returns clones of its first outputs (what any CUDA-graph
+    backend that copies inputs in and hands out outputs a next replay cannot overwrite pays at least); cgcompile
+    per scope; with layer scope, "layer bound" too (glue_bound: the layers answered from a cache, the glue between
+    them eager). The model is prefilled. Returns the names and `run(name, steps)`, which runs that candidate's
+    next `steps` steps of a real decode loop (each at the next position, with a new token tensor); call it under
+    torch.no_grad()."""
     torch._dynamo.reset()
     model = kv_gpt.build(num_layers=layers).eval()
     (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
@@ -279,12 +277,24 @@ def decode_step_times(scopes: Sequence[str] = ("layer", "block"), layers: int = 
             step(tokens[i % len(tokens)], positions[8 + i % span])
         done[name] = first + steps
 
-    samples: Dict[str, List[float]] = {name: [] for name in steps_of}
     with torch.no_grad():
         kv_gpt.prefill(model, prompt)
-        for name in steps_of:  # compile, warm up, capture, and the bank policy's first judgement
+    return list(steps_of), run
+
+
+def decode_step_times(scopes: Sequence[str] = ("layer", "block"), layers: int = 8, rounds: int = 2000,
+                      block: int = 5, inner: str = "eager") -> Dict[str, float]:
+    """Host seconds per whole decode step in a real decode loop, emulated replays made no-ops (as a launch), per
+    candidate of decode_candidates. Each round runs `block` steps of every candidate, in turn (the order reversed
+    every other round), and each candidate's time is the median over the rounds of its block's process CPU time:
+    a neighbour's load or a slow moment lands on all candidates alike and on few samples (whole runs of 200 steps
+    per candidate, timed apart, moved the ratio by up to 50% on a shared machine)."""
+    names, run = decode_candidates(scopes, layers, inner)
+    samples: Dict[str, List[float]] = {name: [] for name in names}
+    with torch.no_grad():
+        for name in names:  # compile, warm up, capture, and the bank policy's first judgement
             run(name, 200)
-        order = list(steps_of)
+        order = list(names)
         with replays_as_launches(), collector_paused():
             for r in range(rounds):
                 for name in (order if r % 2 == 0 else order[::-1]):

@@ -35,7 +35,31 @@ def split(gm: fx.GraphModule, graph_plan: GraphPlan) -> fx.GraphModule:
 
     split_gm = split_module(gm, None, callback, keep_original_order=True)
     close_grad_mode(gm, split_gm, graph_plan.training)
+    take_in_frame_order(split_gm)
     return split_gm
+
+
+def take_in_frame_order(split_gm: fx.GraphModule) -> None:
+    """A split graph that is one call of one partition taking every frame argument (a frame captured whole, e.g.
+    inference scope block) passes them in the partition's order of first use, which split_module gives its
+    placeholders: put the partition's placeholders in the frame's order instead, so that the call passes the
+    frame's own argument tuple on (single_call) rather than building a new one per step, an item per parameter."""
+    placeholders = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
+    calls = [n for n in split_gm.graph.nodes if n.op == "call_module"]
+    if len(calls) != 1 or calls[0].kwargs or len(calls[0].args) != len(placeholders) \
+            or set(calls[0].args) != set(placeholders) or list(calls[0].args) == placeholders:
+        return
+    call = calls[0]
+    submod = getattr(split_gm, str(call.target))
+    inputs = [n for n in submod.graph.nodes if n.op == "placeholder"]
+    by_argument = dict(zip(call.args, inputs))
+    for node in reversed(placeholders):  # each moved to the front: the frame's first argument ends up first
+        first = next(iter(submod.graph.nodes))
+        if first is not by_argument[node]:
+            first.prepend(by_argument[node])
+    call.args = tuple(placeholders)
+    submod.recompile()
+    split_gm.recompile()
 
 
 def close_grad_mode(gm: fx.GraphModule, split_gm: fx.GraphModule, entry: bool) -> None:

@@ -4,6 +4,7 @@ test_benchmarks_gpu.py).
 Numbers are not asserted (this is a shared CPU); the tables' shape, the goals and the failure paths are.
 """
 
+import json
 import re
 import sys
 
@@ -111,3 +112,15 @@ def test_scale_measure_times_what_it_names_on_a_real_compile():
     found = scale.measure(2, steps=2)
     assert found["plan"] > 0 and found["capture"] > 0 and 0 < found["step"] < found["step_computing"], found
     assert found["graphs"] == 4 and found["replays"] >= 4 * 2, found  # 2 layers x (forward + backward)
+
+
+def test_step_instructions_counts_steps_that_take_the_short_path():
+    """benchmarks/step_instructions.py counts each candidate's decode steps under callgrind; what it counts for
+    cgcompile must be steady replays (the short path), one per partition per step, or the count measures another
+    path. Run here without valgrind: the same candidates and steps, nothing counted."""
+    out = run_script("step_instructions.py", "--child", "--no-valgrind", "--layers", "2", "--steps", "3",
+                     "--warmup", "30")
+    rows = {row["name"]: row["steady_per_step"] for row in map(json.loads, out.splitlines())}
+    assert list(rows) == ["floor", "minimal", "layer", "layer bound", "block"]
+    assert rows["layer"] == 2.0 and rows["block"] == 1.0  # 2 layers: one graph each; block scope: one graph
+    assert rows["floor"] == rows["minimal"] == rows["layer bound"] == 0.0
