@@ -62,9 +62,11 @@ def totals(out_dir: pathlib.Path, pid: int, count: int) -> List[int]:
     """The instruction totals of the child's dumps 1..count (callgrind numbers a process's dumps in order)."""
     found = []
     for k in range(1, count + 1):
-        text = (out_dir / f"cg.{pid}.{k}").read_text()
-        m = re.search(r"^(?:totals|summary): (\d+)", text, re.M)
-        found.append(int(m[1]) if m else 0)
+        dump = out_dir / f"cg.{pid}.{k}"
+        m = re.search(r"^(?:totals|summary): (\d+)", dump.read_text(), re.M)
+        if m is None or m[1] == "0":  # no count rather than a count of zero (instrumentation never on: a 0 total)
+            raise SystemExit(f"{dump} holds no instructions counted")
+        found.append(int(m[1]))
     return found
 
 
