@@ -1,11 +1,23 @@
-"""Shared test setup: the repo root on sys.path (for tests.models), a clean Dynamo cache per test, and a check
-that no test leaves thread-local state (grad mode, autocast, functorch levels, default dtype) changed."""
+"""Shared test setup: one intra-op thread per test process, the repo root on sys.path (for tests.models), a clean
+Dynamo cache per test, and a check that no test leaves thread-local state (grad mode, autocast, functorch levels,
+default dtype) changed."""
 
 import os
 import sys
 
 import pytest
+
+# The models here are tiny: intra-op threads buy nothing, and on a 2-core machine the OpenMP pools of two xdist
+# workers (and of the ranks a distributed test spawns) spin against each other: two test files run side by side
+# took 110 s with torch's default pools and 52 s with one thread each. Set before torch starts its pool; a value
+# the caller sets is kept.
+_THREADS_GIVEN = "OMP_NUM_THREADS" in os.environ
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import torch
+
+if not _THREADS_GIVEN:
+    torch.set_num_threads(1)  # in case a plugin imported torch before this file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
