@@ -8,7 +8,6 @@ import operator
 
 import torch
 import torch.fx as fx
-
 from torch.fx.passes.split_module import split_module
 
 from cgcompile.split import replace_submodule, single_call, take_in_frame_order
