@@ -8,11 +8,11 @@ TEST_WORKERS ?= 2
 
 .PHONY: demo test test-oldest test-nightly docs docs-serve bench gpu-check gpu-perf gpu-lease megatron-parity megatron-record clean
 
-# setup.py builds the optional compiled helper (cgcompile/csrc) in place; a change to it reinstalls.
+# setup.py builds the optional compiled helpers (cgcompile/csrc) in place; a change to them reinstalls.
 # torchtitan (tests/test_torchtitan_ep.py) goes into $(VENV)/torchtitan, not site-packages: --no-deps with the
 # pinned packages its MoE and parallel code imports (tests/torchtitan-requirements.txt), so nothing in the venv is
 # upgraded or downgraded and no other test sees them. Skipped on Python < 3.11 (torchtitan 0.3.0 needs 3.11).
-$(VENV)/.installed: pyproject.toml setup.py constraints.txt cgcompile/csrc/address_check.cpp \
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt $(wildcard cgcompile/csrc/*.cpp cgcompile/csrc/*.h) \
                     tests/torchtitan-requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	if $(PY) -c "import torch" 2>/dev/null; then \

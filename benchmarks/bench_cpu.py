@@ -304,7 +304,7 @@ def print_lean_step(quick: bool) -> None:
     import replay_cost
 
     layers, rounds = (2, 60) if quick else (8, 2000)
-    found = replay_cost.decode_step_times(layers=layers, rounds=rounds)
+    found = replay_cost.decode_step_times(layers=layers, rounds=rounds, python_path=True)
     print(f"(g) lean step: {layers}-layer decode step in a real loop (a new position every step), host time per "
           f"step, replays as launches, vs Dynamo's floor (a backend returning cached outputs), medians of {rounds} "
           f"rounds of 5 steps of each candidate in turn; "
@@ -314,6 +314,9 @@ def print_lean_step(quick: bool) -> None:
         ratio = found[scope] / found["floor"]
         print(f"  {scope} scope: {found[scope] * 1e6:.1f} us vs floor {found['floor'] * 1e6:.1f} us: {ratio:.2f}x, "
               f"goal <= {goal:.2f}x  {judged(ratio, goal)}")
+    python = found["block python"]
+    print(f"  block scope with the host path in Python (where cgcompile's compiled helpers are not built): "
+          f"{python * 1e6:.1f} us, {python / found['floor']:.2f}x the floor")
     bound = found["layer bound"]
     print(f"  layer scope's bound (its layers answered from a cache, the glue between them eager as the plan leaves "
           f"it: what no runtime goes below): {bound * 1e6:.1f} us, {bound / found['floor']:.2f}x the floor; layer "

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import statistics
 import time
+import types
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -33,7 +35,7 @@ from cgcompile.runtime.drivers.emulate import EmulatedGraph
 from tests.models import kv_gpt
 
 __all__ = ["address_check_times", "decode_candidates", "decode_host_times", "decode_step_times", "depth_host_times", "glue_bound", "inner_host_times",
-           "reuse_rows"]
+           "python_host_path", "reuse_rows"]
 
 
 class MinimalWrapper:
@@ -88,18 +90,22 @@ def _per_call(fn: Callable[[], Any], calls: int) -> float:
 
 
 def _first_calls(run: Callable[[], Any], keep: Optional[int] = None) -> Tuple[List[Any], Optional[tuple]]:
-    """The partitions `run` calls (PartitionRunners, in order of first call), and the arguments of the `keep`-th
-    one's first call. Only that one's: arguments kept for the timed calls must not hold the outputs of the partition
-    timed (the next partition's arguments would, keeping its graph held and every timed call on another instance),
-    which a decode loop never does."""
+    """The partitions `run` calls, in order of first call, each as the frame calls it (a PartitionRunner, or for a
+    frame that is one partition call, the runner's frame_call(): its compiled steady replay where built), and the
+    arguments of the `keep`-th one's first call. Only that one's: arguments kept for the timed calls must not hold
+    the outputs of the partition timed (the next partition's arguments would, keeping its graph held and every timed
+    call on another instance), which a decode loop never does."""
     seen: List[Any] = []
     kept: List[tuple] = []
     runner_class = partition_runner.PartitionRunner
     call, leaving = runner_class.__call__, runner_class.leaving
+    entered: Dict[int, Any] = {}
+    cgcompile.stats()  # reading the counts disarms the compiled steady replays: `run`'s calls enter the runners
 
-    def first(runner: Any, args: tuple) -> None:
+    def first(runner: Any, args: tuple, as_frame: bool = False) -> None:
         if all(runner is not r for r in seen):
             seen.append(runner)
+            entered[id(runner)] = runner.frame_call() if as_frame else runner
             if len(seen) - 1 == keep:
                 kept.append(args)
 
@@ -108,7 +114,7 @@ def _first_calls(run: Callable[[], Any], keep: Optional[int] = None) -> Tuple[Li
         return call(self, *args)
 
     def recording_leaving(self, args):  # a frame that is this one call (block scope) enters here
-        first(self, args)
+        first(self, args, as_frame=True)
         return leaving(self, args)
 
     runner_class.__call__, runner_class.leaving = recording, recording_leaving
@@ -116,7 +122,7 @@ def _first_calls(run: Callable[[], Any], keep: Optional[int] = None) -> Tuple[Li
         run()
     finally:
         runner_class.__call__, runner_class.leaving = call, leaving
-    return seen, (kept[0] if kept else None)
+    return [entered[id(r)] for r in seen], (kept[0] if kept else None)
 
 
 def decode_host_times(scope: str, layers: int = 8, calls: int = 2000, repeats: int = 7,
@@ -141,8 +147,9 @@ def decode_host_times(scope: str, layers: int = 8, calls: int = 2000, repeats: i
         for index in range(len(_first_calls(lambda: kv_gpt.generate(step, model, prompt, 1))[0])):
             runners, args = _first_calls(lambda: kv_gpt.generate(step, model, prompt, 1), index)
             runner = runners[index]
-            entry = next(iter(runner.bank.values()))
-            wrapper = MinimalWrapper(entry.inference.run, runner.static_indices, args,
+            partition = getattr(runner, "runner", runner)  # a compiled steady replay: its runner
+            entry = next(iter(partition.bank.values()))
+            wrapper = MinimalWrapper(entry.inference.run, partition.static_indices, args,
                                      get_driver(options["driver"], device))
             wrapper(*args)
             times: Dict[str, List[float]] = {"ours": [], "minimal": []}
@@ -225,15 +232,44 @@ def glue_bound(options: dict) -> Callable[[torch.fx.GraphModule, list], Callable
     return backend
 
 
-def decode_candidates(scopes: Sequence[str] = ("layer", "block"), layers: int = 8, inner: str = "eager"
-                      ) -> Tuple[List[str], Callable[[str, int], None]]:
+def own_decode_step(model: nn.Module) -> nn.Module:
+    """kv_gpt.DecodeStep(model) whose forward has a code object of its own. Dynamo keeps the entries it compiles per
+    code object and checks them in turn at every call, so candidates sharing DecodeStep.forward would each pay for
+    the guards of the ones compiled before them (measured: a candidate's step 0.2x the floor faster or slower by its
+    place in that list); a user's one compiled model checks only its own."""
+    forward = kv_gpt.DecodeStep.forward
+    own = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__,
+                             forward.__defaults__, forward.__closure__)
+    return type("DecodeStep", (kv_gpt.DecodeStep,), {"forward": own})(model)
+
+
+@contextlib.contextmanager
+def python_host_path():
+    """Models compiled (at their first call) meanwhile run their host path in Python: cgcompile's compiled steady
+    replay and scope gate left out, as where they could not be built (cgcompile/native.py's switch)."""
+    from cgcompile import native
+
+    saved = os.environ.get(native.PYTHON_HOST_PATH)
+    os.environ[native.PYTHON_HOST_PATH] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[native.PYTHON_HOST_PATH]
+        else:
+            os.environ[native.PYTHON_HOST_PATH] = saved
+
+
+def decode_candidates(scopes: Sequence[str] = ("layer", "block"), layers: int = 8, inner: str = "eager",
+                      python_path: bool = False) -> Tuple[List[str], Callable[[str, int], None]]:
     """The decode steps decode_step_times (and step_instructions.py) compare, each a torch.compile of the decode step of
     one KV-cache model of `layers` layers: "floor", a backend that returns the outputs of its first call (Dynamo's
     guards and frame call: what any backend pays); "minimal", a backend that copies the step's non-parameter inputs
     into buffers of its own in one `_foreach_copy_` and returns clones of its first outputs (what any CUDA-graph
     backend that copies inputs in and hands out outputs a next replay cannot overwrite pays at least); cgcompile
     per scope; with layer scope, "layer bound" too (glue_bound: the layers answered from a cache, the glue between
-    them eager). The model is prefilled. Returns the names and `run(name, steps)`, which runs that candidate's
+    them eager); with `python_path`, "block python" too (block scope with the host path in Python: cgcompile where
+    its compiled helpers were not built). The model is prefilled. Returns the names and `run(name, steps)`, which runs that candidate's
     next `steps` steps of a real decode loop (each at the next position, with a new token tensor); call it under
     torch.no_grad()."""
     torch._dynamo.reset()
@@ -256,15 +292,20 @@ def decode_candidates(scopes: Sequence[str] = ("layer", "block"), layers: int = 
             return [out.clone() for out in outputs]
         return replay
 
-    floor = torch.compile(kv_gpt.DecodeStep(model), backend=cached_outputs)
+    floor = torch.compile(own_decode_step(model), backend=cached_outputs)
     steps_of: Dict[str, Callable[..., Any]] = {
-        "floor": floor, "minimal": torch.compile(kv_gpt.DecodeStep(model), backend=minimal_replay)}
+        "floor": floor, "minimal": torch.compile(own_decode_step(model), backend=minimal_replay)}
     for scope in scopes:
         options = {"cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": scope, "driver": "emulate",
                    "inner_compiler": inner}
-        steps_of[scope] = torch.compile(kv_gpt.DecodeStep(model), backend="cudagraph_modules", options=options)
+        steps_of[scope] = torch.compile(own_decode_step(model), backend="cudagraph_modules", options=options)
         if scope == "layer":
-            steps_of["layer bound"] = torch.compile(kv_gpt.DecodeStep(model), backend=glue_bound(options))
+            steps_of["layer bound"] = torch.compile(own_decode_step(model), backend=glue_bound(options))
+        if scope == "block" and python_path:
+            steps_of["block python"] = torch.compile(own_decode_step(model), backend="cudagraph_modules",
+                                                     options=options)
+            with python_host_path(), torch.no_grad():  # compiled at its first call
+                steps_of["block python"](torch.zeros(4, 1, dtype=torch.long), positions[8])
 
     generator = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, kv_gpt.VOCAB, (4, 1), generator=generator) for _ in range(16)]
@@ -283,13 +324,13 @@ def decode_candidates(scopes: Sequence[str] = ("layer", "block"), layers: int = 
 
 
 def decode_step_times(scopes: Sequence[str] = ("layer", "block"), layers: int = 8, rounds: int = 2000,
-                      block: int = 5, inner: str = "eager") -> Dict[str, float]:
+                      block: int = 5, inner: str = "eager", python_path: bool = False) -> Dict[str, float]:
     """Host seconds per whole decode step in a real decode loop, emulated replays made no-ops (as a launch), per
     candidate of decode_candidates. Each round runs `block` steps of every candidate, in turn (the order reversed
     every other round), and each candidate's time is the median over the rounds of its block's process CPU time:
     a neighbour's load or a slow moment lands on all candidates alike and on few samples (whole runs of 200 steps
     per candidate, timed apart, moved the ratio by up to 50% on a shared machine)."""
-    names, run = decode_candidates(scopes, layers, inner)
+    names, run = decode_candidates(scopes, layers, inner, python_path)
     samples: Dict[str, List[float]] = {name: [] for name in names}
     with torch.no_grad():
         for name in names:  # compile, warm up, capture, and the bank policy's first judgement

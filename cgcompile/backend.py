@@ -90,7 +90,7 @@ def cudagraph_modules(gm: fx.GraphModule, example_inputs: List[Any], options: Op
     probe = next((i for i, n in enumerate(placeholders) if is_static_placeholder(n)), None)
     frame = ScopedFrame(build, probe, frame_module())
     frame.prepare(example_inputs)
-    return frame
+    return frame.entry
 
 
 def plan_and_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGraphConfig, index: int,
@@ -184,9 +184,11 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
             keeper.keep(args)
         return forward(*args)
 
-    if keeper is None and isinstance(forward, types.FunctionType):  # nothing to add: the frame calls it itself
+    # nothing to add: the frame calls it itself (a function, or the compiled steady replay, which carries its runtime)
+    if keeper is None and (isinstance(forward, types.FunctionType) or getattr(forward, "runtime", None) is runtime):
         run = forward
-    run.runtime = runtime  # type: ignore[attr-defined]  # for tests and tools
+    if getattr(run, "runtime", None) is not runtime:
+        run.runtime = runtime  # type: ignore[attr-defined]  # for tests and tools
     if graph_plan.batch_boundary is not None:
         return BatchPadding(graph_plan.batch_boundary, run, gm.forward, config.capture_sizes,
                             f"graph {graph_plan.index}")

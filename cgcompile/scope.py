@@ -28,6 +28,7 @@ import torch
 from .config import CudaGraphConfig, CudaGraphImpl, DynamicPadding
 from .config_values import ChoiceEnum, parse_enum
 from .errors import ConfigError
+from .native import SCOPE_GATE, compiled_host_path
 
 __all__ = ["LayerScope", "ScopedFrame", "scope_config", "scope_of", "transition_cudagraph_scope"]
 
@@ -114,6 +115,11 @@ class ScopedFrame:
         self._token: Tuple[int, int] = (-1, -1)  # (generation, id of the probed tensor) of the last look-up
         self._scope = LayerScope.PARTIAL
         self._current: Optional[Callable[..., Any]] = None  # the frame that look-up found
+        # what Dynamo calls: the same check in C where it is built (cgcompile/csrc/scope_gate.cpp), which calls the
+        # frame the last look-up found and this object for any other call; else this object
+        self.entry: Callable[..., Any] = self
+        if SCOPE_GATE is not None and compiled_host_path():
+            self.entry = SCOPE_GATE.ScopeGate(self, _SCOPES, -1 if probe is None else probe)
 
     def prepare(self, args: Sequence[Any]) -> None:
         """Compile the scope these inputs run in now (at Dynamo's compile, so its errors surface there)."""
@@ -144,6 +150,8 @@ class ScopedFrame:
             frame = self._frames[scope] = self._build(scope, args)
         # kept only once the frame exists (a build that raised is tried again at the next call)
         self._token, self._scope, self._current = token, scope, frame
+        if self.entry is not self:
+            self.entry.follow(token[0], token[1], frame)
         return frame
 
     @property

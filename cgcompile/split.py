@@ -160,6 +160,9 @@ def single_call(split_gm: fx.GraphModule, finished: bool = False) -> Optional[Tu
     if items == [None]:
         if finished and hasattr(partition, "leaving"):  # it hands its result out as it leaves the frame (a
             # PartitionRunner; looked up per call, as a call of the partition itself would be)
+            if pick is tuple and hasattr(partition, "frame_call"):  # the frame's arguments as they come: the
+                return partition.frame_call(), True  # runner's own callable for this call
+
             def whole_leaving(*args: Any) -> tuple:
                 return partition.leaving(pick(args))
             return whole_leaving, True

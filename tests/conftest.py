@@ -39,3 +39,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def python_host_path(monkeypatch):
+    """Models compiled in the test run the host path in Python (cgcompile/native.py's switch): the compiled steady
+    replay and scope gate left out, as where they were not built; for tests that follow that path call by call."""
+    from cgcompile import native
+
+    monkeypatch.setenv(native.PYTHON_HOST_PATH, "1")

@@ -45,7 +45,7 @@ def test_bench_cpu_quick_table():
         m = re.search(r": (\d+\.\d+)x, goal <= (\d+\.\d+)x  (PASS|MISS)$", row)
         assert m, row
         assert m[3] == ("PASS" if float(m[1]) <= float(m[2]) else "MISS"), row
-    heading, *lean = out.split("(g) lean step")[1].splitlines()[:5]
+    heading, *lean = out.split("(g) lean step")[1].splitlines()[:6]
     m = re.search(r"reference: a minimal backend copying the inputs in and cloning its outputs (\d+\.\d+) us, "
                   r"(\d+\.\d+)x$", heading)
     assert m and float(m[1]) > 0, heading  # what any copying, cloning CUDA-graph backend pays, printed beside the goals
@@ -53,10 +53,12 @@ def test_bench_cpu_quick_table():
         m = re.search(r"^  (layer|block) scope: .*: (\d+\.\d+)x, goal <= (\d+\.\d+)x  (PASS|MISS)$", row)
         assert m, row
         assert m[4] == ("PASS" if float(m[2]) <= float(m[3]) else "MISS"), row
+    m = re.search(r"^  block scope with the host path in Python .*: (\d+\.\d+) us, (\d+\.\d+)x the floor$", lean[2])
+    assert m and float(m[1]) > 0, lean[2]  # what the compiled host path saves, in the same run
     m = re.search(r"^  layer scope's bound .*: (\d+\.\d+) us, (\d+\.\d+)x the floor; layer scope (\d+\.\d+)x its bound$",
-                  lean[2])
-    assert m and float(m[1]) > 0, lean[2]  # the glue's own cost, printed beside layer scope's goal
-    assert "left out by --quick" in lean[3]
+                  lean[3])
+    assert m and float(m[1]) > 0, lean[3]  # the glue's own cost, printed beside layer scope's goal
+    assert "left out by --quick" in lean[4]
     kernels = out.split("(j) kernels per step")[1].split("\n\n")[0]
     counts = {m[1]: (float(m[2]), float(m[3])) for m in re.finditer(r"^    (\S+)\s+(\d+\.\d+) kernels/step "
                                                                     r"\(\s*(\d+\.\d+) outside graphs\)", kernels, re.M)}

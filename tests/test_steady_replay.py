@@ -5,7 +5,6 @@ graph) goes down the full path, and decode stays exact against eager (tokens, ca
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 
@@ -14,28 +13,11 @@ import torch
 
 import cgcompile
 from tests import graph_window
+from tests.decode_loop import decode, run
 from tests.inductor_cpp import needs_inductor_cpp
 from tests.models import kv_gpt
 
 PACKAGE = os.path.dirname(cgcompile.__file__)
-
-
-def decode(scope: str, layers: int = 2, inner: str = "eager"):
-    model = kv_gpt.build(num_layers=layers).eval()
-    reference = copy.deepcopy(model)
-    options = {"cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": scope, "driver": "emulate",
-               "inner_compiler": inner}
-    step = torch.compile(kv_gpt.DecodeStep(model), backend="cudagraph_modules", options=options)
-    return model, reference, step
-
-
-def run(step, model, reference, prompt, steps):
-    with torch.no_grad():
-        got = kv_gpt.generate(step, model, prompt, steps)
-        want = kv_gpt.generate(kv_gpt.DecodeStep(reference), reference, prompt, steps)
-    assert torch.equal(got, want)
-    for (name, cache), ref in zip(model.named_buffers(), reference.buffers()):
-        assert torch.equal(cache, ref), name
 
 
 def one_profiled_step(step, model, prompt, profile) -> None:
@@ -85,7 +67,7 @@ def partition_calls(fn) -> list:
 
 
 @pytest.mark.parametrize("scope", ["layer", "block"])
-def test_a_steady_decode_step_replays_each_partition_through_the_short_path(scope):
+def test_a_steady_decode_step_replays_each_partition_through_the_short_path(scope, python_host_path):
     graph_window.fresh()  # earlier tests' runtimes leave stats()['partitions'] now, not at a later GC
     model, reference, step = decode(scope)
     (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
@@ -110,7 +92,7 @@ def test_a_steady_decode_step_replays_each_partition_through_the_short_path(scop
     # _referenced unless the
     # pool rule found the graph free already)
     settle = {"catch_up", "_count", "add_replays", "steady_replays", "size_seen", "after_call", "sweep",
-              "cycle", "is_stale", "release"}
+              "cycle", "is_stale", "release", "quiet_calls"}
     for names in calls:
         remaining = iter(names)
         assert all(name in remaining for name in core), names  # in this order, others between them
@@ -126,7 +108,7 @@ def test_a_steady_decode_step_replays_each_partition_through_the_short_path(scop
 
 
 @needs_inductor_cpp
-def test_inductor_inner_compiler_replays_through_the_same_short_path_as_eager():
+def test_inductor_inner_compiler_replays_through_the_same_short_path_as_eager(python_host_path):
     """Issue 36: the host work per replay with inner_compiler="inductor" is the eager inner compiler's. Inductor's
     inference graph is as direct as aot's (its runtime wrapper only calls it), so its steady replays take the short
     path too; before, every call went through aot's wrapper and the full path (the GPU's unexplained 0.48 vs
@@ -165,7 +147,7 @@ def test_a_steady_step_calls_the_split_graph_and_its_eager_parts_through_their_g
     assert names == ["_call_impl", "_call_impl"], names
 
 
-def test_a_frame_captured_whole_calls_its_partition_without_the_split_graphs_forward():
+def test_a_frame_captured_whole_calls_its_partition_without_the_split_graphs_forward(python_host_path):
     """Issue 36, the lean step: in block scope the split graph is one call of the one partition, and its generated
     forward only renamed, passed on and cleared the block's hundred-odd arguments: the frame now calls the
     partition straight from its own function (split.single_call), nothing in between; and the partition, whose
@@ -343,9 +325,10 @@ def test_steady_replays_not_yet_counted_still_count_when_the_graphs_go(end):
     assert cgcompile.stats()["steady_replays"] == cgcompile.stats()["replays"] == 3
 
 
-def _sweeps(read_stats_every_step: bool, monkeypatch) -> list:
-    """Each parameter set's clock at every sweep of its graphs (the bank policy's release pass) over 40 decode
-    steps after warmup and capture."""
+def _sweeps(read_stats_every_step: bool, monkeypatch, batches=(4,)) -> tuple:
+    """Each parameter set's clock at every sweep of its graphs (the bank policy's release pass) over 48 decode
+    steps after warmup and capture, runs of 8 steps from a prompt of each batch size in `batches` in turn; and the
+    graphs released, the graphs alive and the partitions' counts at the end."""
     from cgcompile.runtime.local.releaser import GraphReleaser
 
     seen = []
@@ -357,23 +340,41 @@ def _sweeps(read_stats_every_step: bool, monkeypatch) -> list:
 
     with monkeypatch.context() as patch:
         patch.setattr(GraphReleaser, "sweep", sweep)
+        graph_window.fresh()
         model, reference, step = decode("block")
-        (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
-        run(step, model, reference, prompt, 6)
+        prompts = [kv_gpt.example_inputs(batch=b, seq=8)[0] for b in batches]
+        for prompt in prompts:
+            run(step, model, reference, prompt, 6)
+        cgcompile.reset_stats()
         if read_stats_every_step:  # every clock brought up to date after each call: replays counted one by one
             step = (lambda compiled: lambda *args: (compiled(*args), cgcompile.stats())[0])(step)
-        for _ in range(5):  # 40 steps, each run from the prompt again (the cache holds MAX_SEQ positions)
-            run(step, model, reference, prompt, 8)
-    return seen
+        for i in range(6):  # each run from the prompt again (the cache holds MAX_SEQ positions)
+            run(step, model, reference, prompts[i % len(prompts)], 8)
+        st = cgcompile.stats()
+    rows = [{k: row[k] for k in ("calls", "replays", "captures", "releases")} for row in st["partitions"]]
+    return seen, (st["graphs_released"], len(st["graphs"]), rows)
+
+
+def test_a_set_with_one_live_graph_settles_its_steady_replays_only_when_they_are_read(monkeypatch):
+    """With one live graph in a parameter set, a sweep can release nothing while its steady replays keep it in use
+    (BankLedger.quiet_calls): counted in batches, they settle only when something reads them, while counted one
+    by one they sweep every window; the graphs, releases and counts come out the same."""
+    batched, batched_end = _sweeps(False, monkeypatch)
+    one_by_one, one_by_one_end = _sweeps(True, monkeypatch)
+    assert batched_end == one_by_one_end
+    assert len(one_by_one) >= 3 and batched == one_by_one[:len(batched)] and len(batched) < len(one_by_one), (
+        batched, one_by_one)
 
 
 def test_the_bank_policy_sweeps_on_the_same_calls_whether_steady_replays_are_counted_in_batches_or_not(
         monkeypatch):
-    """The steady path counts its replays on the policy's clocks in batches and settles at the replay where a sweep
-    is due: the sweeps come on the same calls as when each replay is counted at once."""
-    batched = _sweeps(False, monkeypatch)
-    one_by_one = _sweeps(True, monkeypatch)
+    """A parameter set with two live graphs (two batch sizes, one dynamic frame): the steady path counts its
+    replays on the policy's clocks in batches and settles at the replay where a sweep is due, so the sweeps come on
+    the same calls as when each replay is counted at once, with the same graphs released and kept."""
+    batched, batched_end = _sweeps(False, monkeypatch, batches=(4, 2))
+    one_by_one, one_by_one_end = _sweeps(True, monkeypatch, batches=(4, 2))
     assert batched == one_by_one and len(batched) >= 2, (batched, one_by_one)
+    assert batched_end == one_by_one_end
 
 
 def cgcompile_runtimes() -> list:
@@ -402,7 +403,7 @@ def test_reading_stats_counts_pending_replays_without_running_the_bank_policy(mo
     assert before >= 32 and policy_runs == []
 
 
-def test_a_frame_that_is_one_graph_hands_its_output_out_as_a_copy_without_an_alias():
+def test_a_frame_that_is_one_graph_hands_its_output_out_as_a_copy_without_an_alias(python_host_path):
     """clone_outputs (the default): a frame whose one output is its one graph's output gets it copied straight out
     of graph memory by the steady replay (PartitionRunner.leaving), not an alias then cloned by the frame. A caller
     keeping every output holds no graph memory: one graph serves every call, each kept output keeps its own call's

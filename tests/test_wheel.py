@@ -30,9 +30,10 @@ def test_demo_runs_from_an_installed_wheel(tmp_path):
          str(tmp_path / "dist")], cwd=source)
     (wheel,) = (tmp_path / "dist").glob("cgcompile-*.whl")
     compiler = shutil.which("c++") or shutil.which("g++")
-    if compiler:  # the optional compiled helper is in the wheel wherever it can be built
+    if compiler:  # the optional compiled helpers are in the wheel wherever they can be built
         with zipfile.ZipFile(wheel) as contents:
-            assert any(n.startswith("cgcompile/_address_check") for n in contents.namelist()), contents.namelist()
+            for helper in ("_address_check", "_scope_gate", "_steady_replay"):
+                assert any(n.startswith(f"cgcompile/{helper}") for n in contents.namelist()), contents.namelist()
     target = tmp_path / "site"
     run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)], cwd=tmp_path)
 

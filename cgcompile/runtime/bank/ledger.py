@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -231,6 +232,16 @@ class BankLedger:
         """Is a judgement or a sweep due for this parameter set?"""
         state = self.param_sets.get(param_set)
         return state is not None and (bool(state.unjudged) or state.calls >= state.next_sweep)
+
+    def quiet_calls(self, state: ParamSetState) -> int:
+        """How many calls of a parameter set whose last call was a steady replay (runtime/local/steady.py) may pass
+        before its policy has anything to do: none while a graph awaits judgement; else until the next sweep, or
+        without end while the set has one live graph, which those replays keep in use (a sweep would keep it)."""
+        if state.unjudged:
+            return 1
+        if state.graphs == 1:
+            return sys.maxsize
+        return state.next_sweep - state.calls
 
     def judge(self, param_set: int) -> Tuple[List[Any], Optional[str]]:
         """Graphs of this parameter set not run again within JUDGE_AFTER of its calls per graph of it: wasted (to

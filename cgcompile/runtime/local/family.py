@@ -40,6 +40,7 @@ from ..tensors import at_positions
 from .budget import refuses_capture
 from .instance import GraphInstance, capture_instance
 from .sources import source_of, tag
+from .staleness import in_place_moved, moved
 from .traced_strides import keep_traced_strides
 
 __all__ = ["BackwardFamily", "BankEntry", "GraphFamily"]
@@ -245,15 +246,15 @@ class GraphFamily:
         parameter moved, or a written input it reads in place comes at another address (copied in and back
         from now on)."""
         for graph in self.all_instances():
-            reason = graph.moved(args)
+            reason = moved(graph, args)
             if reason is not None:
                 return graph, reason
         for graph in self.instances.get(key, ()):
-            moved = graph.in_place_moved(args)
-            if moved:
-                self.moving.update(moved)
-                return graph, (f"written input(s) {moved} came at another address: copied in and back from now "
-                               f"on instead of written in place")
+            moved_inputs = in_place_moved(graph, args)
+            if moved_inputs:
+                self.moving.update(moved_inputs)
+                return graph, (f"written input(s) {moved_inputs} came at another address: copied in and back from "
+                               f"now on instead of written in place")
         return None
 
     def learn_held(self, graph: GraphInstance) -> bool:

@@ -231,26 +231,6 @@ class GraphInstance:
         return set(self.claim.alive_aliases()) | {
             j for j, out in enumerate(outputs) if isinstance(out, torch.Tensor) and storage_ptr(out) in storages}
 
-    def in_place_moved(self, args: Sequence[Any]) -> List[int]:
-        """The in-place inputs this call passes at other addresses, when its parameters and borrowed inputs are
-        where this graph reads them (so only those inputs stop it from replaying)."""
-        inputs = self.captured.static_inputs
-        moved = [i for i in self.in_place if args[i].data_ptr() != inputs[i].data_ptr()]
-        check = self.addresses
-        others = [(i, p) for i, p in zip(check.indices, check.ptrs) if i not in self.in_place]
-        if moved and all(args[i].data_ptr() == p for i, p in others):
-            return moved
-        return []
-
-    def moved(self, args: Sequence[Any]) -> Optional[str]:
-        """Why this graph is stale for `args`, if one of its own parameter objects is passed at another address
-        (else the call passes other parameters, e.g. another layer's)."""
-        inputs = self.captured.static_inputs
-        for i, ref in self.param_refs.items():
-            if ref() is args[i] and args[i].data_ptr() != inputs[i].data_ptr():
-                return f"static input {i} moved (parameter or buffer re-allocated)"
-        return None
-
     def _held_until_backward_ends(self) -> None:
         """A backward graph handed out its static tensors themselves, whose users no claim can see (the next
         backward node reads them, AccumulateGrad copies them): they are in use until the backward pass ends."""
@@ -277,6 +257,10 @@ class GraphInstance:
             self.claim.handed_nothing()
             return [static[0].clone()]
         return [static[0].detach()] if len(static) == 1 else [out.detach() for out in static]
+
+    def replayed_steadily(self, calls: int) -> None:
+        """`calls` replays the compiled steady replay made (runtime/local/steady.py), counted when it hands over."""
+        self.replays += calls
 
     def replay(self, args: Sequence[Any], alias: bool, copied_outputs: Set[int] = frozenset()) -> List[Any]:
         """Run the graph for `args`: outputs handed out as aliases (or, at positions in `copied_outputs`, as

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.fx as fx
 
@@ -95,7 +95,7 @@ class PartitionRunner:
         self.releaser = GraphReleaser(name, self.describe, self.bank, self.ledger, runtime,  # acts on its decisions
                                       self.growing_size)
         # per parameter set, the graph its last direct call replayed, replayed again from there (steady.py)
-        self.steady = SteadyReplays(self.keys, self.param_sets, self.ledger, self.releaser, runtime)
+        self.steady = SteadyReplays(self.keys, self.param_sets, self.ledger, self.releaser, runtime, self)
         self.benefit = BenefitProbe(name, self.describe, self.config, driver, self.inputs.static_storages)
         runtime.add_runner(self)
 
@@ -121,9 +121,18 @@ class PartitionRunner:
         if record is not None and record.copy_out and not record.family.copied_outputs:
             out = record.replay_plain(args, True)
             steady.after_replay(record, args)
+            if steady.compiled is not None:  # the next calls replay in one C call (steady.py)
+                steady.arm(record)
             return (out[0],)
         result = self._call(args) if record is None else self._replayed(record, args)
         return self.runtime.finish_frame_outputs((result,))
+
+    def frame_call(self) -> Callable[..., tuple]:
+        """What a frame that is this one call calls with the frame's arguments as they come: `leaving(args)`,
+        through the compiled steady replay where it is built (steady.py)."""
+        def whole_leaving(*args: Any) -> tuple:
+            return self.leaving(args)
+        return self.steady.compiled or whole_leaving
 
     def _replayed(self, record: SteadyReplay, args: tuple) -> Any:
         """The call's result from a steady replay of the record SteadyReplays.find gave it (its claim taken)."""
@@ -248,7 +257,8 @@ class PartitionRunner:
         if usage is not None and call is not None and call.direct and graph.kind == "inference" \
                 and self.param_sets.by_object and not self.benefit.meter.open:  # found by the object's identity;
             # while timing, every call takes the full path (a steady replay is never timed)
-            self.steady.remember(graph, call.bank_key, call.entry.bumped, usage, self.container is None)
+            self.steady.remember(graph, call.bank_key, call.entry.bumped, call.entry.bumps, usage,
+                                 self.container is None)
         self.runtime.mark_in_flight(graph)
 
     def captured(self, graph: GraphInstance, streak: int = 0) -> None:

@@ -7,6 +7,15 @@ replay rule (GraphInstance.replay_blocker) allows it (PartitionRunner.__call__ a
 Every check the record lets a call skip is one that cannot change between such calls. Counting a steady replay is
 one increment: the ledger's clocks and stats() are brought up to date in batches, before anything reads them and
 whenever the bank policy becomes due (`catch_up`).
+
+A frame that is one call of the partition, its one output copied out as it leaves (PartitionRunner.leaving: a
+decode step in block scope), is served by the compiled steady replay where it is built (`compiled`,
+cgcompile/csrc/steady_replay.cpp): after each Python steady replay of such a record, the record is *armed* there,
+and the next calls replay in one C call while nothing of the runtime's memory changed (the memory registry's
+`changes`, which every replay, capture and discard bumps, stands for the replay rule: a copy-out replay hands
+nothing out) and the per-call conditions hold (modes, no freed parameter, the fixed addresses). It replays at most
+until the bank policy is due; any other call falls back to the Python path, which disarms the record first,
+counting the replays made there as its own.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from ... import _compat
+from ...native import STEADY_REPLAY, compiled_host_path
 from ...counters import add_replays
 from ..bank.key import BankKey, ParamSetIdentity
 from ..bank.ledger import BankLedger, ParamSetState, Usage
@@ -31,6 +41,10 @@ _is_grad_enabled, _is_inference_mode_enabled, _any_autocast = (torch.is_grad_ena
                                                               _compat.any_autocast)
 _increment_versions = _compat.increment_versions
 
+if STEADY_REPLAY is not None:  # optional, built at install; without it every steady call runs the Python path
+    STEADY_REPLAY.setup(_is_grad_enabled, _is_inference_mode_enabled, _any_autocast, _compat.copy_all,
+                        _increment_versions, torch.Tensor.clone)
+
 
 @dataclasses.dataclass(slots=True)
 class SteadyReplay:
@@ -44,6 +58,7 @@ class SteadyReplay:
     family: GraphFamily  # its family: the output positions it hands out as copies (copied_outputs)
     plain: bool  # a plain graph (instance.py) replayed under no_grad: replay_plain serves it while no output is copied
     bumped: Optional[Callable[[Sequence[Any]], tuple]]  # the arguments whose versions a call bumps
+    bump_positions: tuple  # their positions
     state: ParamSetState
     usage: Usage
     # bound once, as the call reads them (each lookup on the way there is host time on every replay)
@@ -60,6 +75,7 @@ class SteadyReplay:
     pending: int = 0
     quiet: int = 0
     counted: int = 0  # of the pending, those already in stats()' replay counts (not plain: replay() counts its own)
+    armed: bool = False  # replayed by the compiled steady replay until disarmed (its replays then pending here)
 
 
 class SteadyReplays:
@@ -67,15 +83,20 @@ class SteadyReplays:
     parameter sets, ledger and releaser are its runner's (runtime/local/runner.py); `runtime` its ModelRuntime."""
 
     def __init__(self, keys: BankKey, param_sets: ParamSetIdentity, ledger: BankLedger, releaser: GraphReleaser,
-                 runtime: Any):
+                 runtime: Any, runner: Any = None):
         self.keys, self.param_sets, self.ledger, self.releaser, self.runtime = keys, param_sets, ledger, releaser, runtime
         self.records: Dict[int, SteadyReplay] = {}
+        # the compiled steady replay of `runner` as a frame's one call (its Python path: runner.leaving), or None
+        self.compiled = STEADY_REPLAY.SteadyLeaving(runner, runtime.memory, runtime) \
+            if STEADY_REPLAY is not None and runner is not None and compiled_host_path() else None
 
     def find(self, args: Sequence[Any]) -> Optional[SteadyReplay]:
         """The record this call may replay now (same parameter set and bank key, its fixed inputs where the graph
         reads them, the replay rule allowing it: the graph's memory claim then taken), or None."""
         index = self.param_sets.index
         record = self.records.get(0 if index is None else id(args[index]))
+        if record is not None and record.armed:  # the compiled replay fell back: its replays are pending here
+            self._disarm(record)
         if record is not None and (
                 _is_grad_enabled() is record.grad and _is_inference_mode_enabled() is record.inference
                 and not _any_autocast() if record.modes_only else self.keys.of(args) == record.bank_key) \
@@ -95,37 +116,69 @@ class SteadyReplays:
             _increment_versions(record.bumped(args))
 
     def remember(self, graph: GraphInstance, bank_key: tuple, bumped: Optional[Callable[[Sequence[Any]], tuple]],
-                 usage: Usage, alone: bool) -> None:
+                 bump_positions: Optional[tuple], usage: Usage, alone: bool) -> None:
         """A direct inference call with `bank_key` replayed `graph`: its parameter set's record from now on.
+        `bumped` and `bump_positions`: the arguments whose versions the call bumps, and their positions.
         `alone`: the partition returns the graph's one output by itself (no container)."""
         modes_only = not self.keys.dynamic and not any(bank_key[2:4])
         plain = graph.plain and modes_only and not bank_key[0]
         memory = self.runtime.memory
         outputs = graph.captured.static_outputs
+        self.forget(graph.param_set)
         self.records[graph.param_set] = SteadyReplay(
             bank_key, modes_only, bank_key[0], bank_key[1], graph, graph.family, plain, bumped,
-            self.ledger.state(graph.param_set), usage, graph.addresses_match, graph.replay_blocker,
-            memory.pool_blocker, memory.mark_in_flight, graph.replay_plain,
+            tuple(bump_positions or ()), self.ledger.state(graph.param_set), usage, graph.addresses_match,
+            graph.replay_blocker, memory.pool_blocker, memory.mark_in_flight, graph.replay_plain,
             plain and alone and len(outputs) == 1 and memory.owns(outputs[0]))
 
+    def arm(self, record: SteadyReplay) -> None:
+        """After a Python steady copy-out replay of `record` (PartitionRunner.leaving): the compiled replay serves
+        its next calls while the memory registry's `changes` stays as it is now, for as many replays as may wait
+        before the bank policy is due (the one that makes it due runs here, which counts it)."""
+        compiled = self.compiled
+        limit = record.quiet - record.pending - 1
+        if compiled is None or record.armed or limit <= 0:
+            return
+        graph = record.graph
+        index = self.param_sets.index
+        compiled.arm(-1 if index is None else index, graph.param_set, record.inference, self.runtime.memory.changes,
+                     limit, record.addresses_match, graph.copy_buffers if graph.copied_inputs else None,
+                     tuple(graph.copied_inputs), graph.captured, record.bump_positions)
+        record.armed = True
+
+    def _disarm(self, record: SteadyReplay) -> None:
+        """The compiled replay no longer serves `record`: the replays it made are pending here, as each would be."""
+        record.armed = False
+        calls = self.compiled.disarm(record.graph.param_set)
+        if calls:
+            record.pending += calls
+            record.graph.replayed_steadily(calls)
+
     def forget(self, param_set: int) -> None:
-        self.records.pop(param_set, None)
+        record = self.records.pop(param_set, None)
+        if record is not None and record.armed:
+            self._disarm(record)
 
     def clear(self) -> None:
+        for record in self.records.values():
+            if record.armed:
+                self._disarm(record)
         self.records.clear()
 
     def catch_up(self, record: SteadyReplay) -> None:
         """At a steady replay: count the pending ones (_count), run the policy if it is due, set how many replays
-        may wait before it is due again (a graph awaiting judgement: none; else until the next sweep; sizes are
-        judged only on the full path, which counts first)."""
+        may wait before it is due again (BankLedger.quiet_calls; sizes are judged only on the full path, which
+        counts first)."""
         state = record.state
         if self._count(record) and (state.unjudged or state.calls >= state.next_sweep):
             self.releaser.after_call(record.graph.param_set)
-        record.quiet = 1 if state.unjudged else state.next_sweep - state.calls
+        record.quiet = self.ledger.quiet_calls(state)
 
     def _count(self, record: SteadyReplay) -> int:
         """Put a record's pending replays on the ledger's clocks and in stats(), as each would have been counted;
         how many. It runs no policy: a count between replays finds none due (pending < quiet)."""
+        if record.armed:
+            self._disarm(record)
         calls, record.pending = record.pending, 0
         if calls:
             plain, record.counted = calls - record.counted, 0

@@ -11,6 +11,10 @@ bwd, bwd). The rule is tracked incrementally: graphs replayed since last found f
 until its next replay), so a steady loop pays O(1) per replay whatever the depth. The emulate driver models the
 pool (a replay poisons the outputs of the graphs captured after it), so a wrong rule fails the CPU tests.
 
+`changes` counts every event that can make memory held or change the pool (a replay, a capture, a discard): while
+it stands still, a replay that was allowed and handed nothing of its graph's memory out is allowed again (the
+compiled steady replay, runtime/local/steady.py, relies on it instead of asking the claims and the pool rule).
+
 Owners are what makes an input *borrowed* and a graph *held* (runtime/local/instance.py): a storage address maps to
 the graph (or output arena, arena.py) owning it. Graphs are duck-typed here (claim_owned, borrow, settle, forget,
 held, arena, pool_position): the registry records and looks up, each graph keeps its own claims.
@@ -36,10 +40,14 @@ class MemoryRegistry:
         self._owners: Dict[int, Any] = {}  # storage data_ptr -> graph (or output arena) owning that memory
         self._pooled: List[Optional[Any]] = []  # graphs in capture order (None: discarded)
         self._in_flight: List[int] = []  # sorted pool positions of graphs replayed and not found free since
+        # Bumped by every event that can make memory held or change the pool (a replay, a capture, a discard): a
+        # steady replay that handed nothing out stays allowed while it is unchanged (runtime/local/steady.py)
+        self.changes = 0
 
     def clear(self) -> None:
         self._owners.clear()
         self._pooled, self._in_flight = [], []
+        self.changes += 1
 
     def owns(self, t: Any) -> bool:
         """Does `t` alias memory owned by one of our graphs (a static output or a static input buffer)? A wrapper
@@ -82,10 +90,12 @@ class MemoryRegistry:
                 graph.borrow(lender, ptr, _compat.storage_use_count(sid) - before)
         graph.settle(len(self._pooled))
         self._pooled.append(graph)
+        self.changes += 1
 
     def discard(self, graph: Any) -> Optional[Any]:
         """Forget a graph's memory (re-capture, fallback, release) so its storage can be freed; its output arena's
         too when it was the last member. Returns the backward graph that belonged to it, to forget next."""
+        self.changes += 1
         for ptr in graph.claim.storages:
             if self._owners.get(ptr) is graph:
                 del self._owners[ptr]
@@ -112,6 +122,7 @@ class MemoryRegistry:
 
     def mark_in_flight(self, graph: Any) -> None:
         """A graph replayed: it is in flight until found free."""
+        self.changes += 1
         position = graph.pool_position
         in_flight = self._in_flight
         if not in_flight or in_flight[-1] < position:
