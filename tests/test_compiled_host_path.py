@@ -31,9 +31,12 @@ def runners() -> list:
 
 
 def the_runner(before: list):
-    """The one partition runner made since `before` (runners() then: other tests' runtimes may still be alive)."""
-    (runner,) = [r for r in runners() if all(r is not b for b in before)]
-    return runner
+    """The one partition runner made since `before` (runners() then: other tests' runtimes may still be alive) that
+    has steady records: the decode step's."""
+    made = [r for r in runners() if all(r is not b for b in before)]
+    serving = [r for r in made if r.steady.records]
+    assert len(serving) == 1, [(r.name, r.frame, len(r.steady.records)) for r in made]
+    return serving[0]
 
 
 def test_ci_builds_the_compiled_host_path():
