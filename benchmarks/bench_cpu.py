@@ -19,9 +19,10 @@ puts the drift on both sides of a ratio):
   (f) a Hugging Face transformers Mixtral (benchmarks/hf_moe.py, default experts implementation,
       cuda_graph_modules=[]) training step with new tokens every step, fp32 and bf16 weights: the same counts
       as (d), vs eager. Goal: host kernel ops outside graphs <= 5% of eager's. Skipped without transformers.
-  (g) host time per replay vs a minimal wrapper and reuse on the issue-27 loops (benchmarks/replay_cost.py); the
-      whole decode step's host time vs Dynamo's floor in a real decode loop, and the host time per partition call
-      with inner_compiler="inductor" vs "eager" (issue 36).
+  (g) host time per partition call of a real decode loop (a new position every step: the step's time over its
+      bound's, shared out per call) vs a minimal wrapper, and reuse on the issue-27 loops
+      (benchmarks/replay_cost.py); the whole decode step's host time vs Dynamo's floor in the same kind of loop, and
+      the host time per partition call with inner_compiler="inductor" vs "eager" (issue 36).
   (j) kernels launched per step (benchmarks/kernel_count.py): cgcompile inner inductor / eager vs whole-graph
       Inductor on HF Llama / Mixtral bf16 training and a decode step, with a per-op diff. Goal <= 1.05x.
   (h) scale at depth (benchmarks/scale_cost.py): a 48-layer vs a 12-layer MoE, 64 experts per layer, small hidden
@@ -272,10 +273,10 @@ def print_replay_cost(quick: bool) -> None:
     print("\n(g) host time per replay (emulated replays made no-ops: the work around a launch), same process, "
           f"medians of interleaved repeats; fixed-address check: {_compat.ADDRESS_CHECK_IMPL}")
     rows = []
-    for scope in ("layer", "block"):
-        ours, minimal = replay_cost.decode_host_times(scope, calls=calls, repeats=repeats)
-        rows.append((f"decode step, 8 layers, {scope} scope, per partition call", "minimal wrapper", ours, minimal,
-                     2.0))
+    layers, rounds = (2, 200) if quick else (8, 2000)
+    for scope, (ours, minimal) in replay_cost.decode_call_times(layers=layers, rounds=rounds).items():
+        rows.append((f"decode step, {layers} layers, {scope} scope, per partition call in a real loop (the step over "
+                     f"its bound)", "minimal wrapper", ours, minimal, 2.0))
     depths = replay_cost.depth_host_times((8, 24, 96), steps=2 if quick else 4, repeats=repeats)
     for layers in (24, 96):
         rows.append((f"training, a break per layer, per forward partition call, {layers} vs 8 layers", "8 layers",

@@ -1,9 +1,12 @@
 """bench_cpu table (g): what a replay costs on the host, and whether the graphs captured are reused.
 
-Host time per replay, ours vs a minimal CUDA-graph wrapper measured in the same process on the same calls: the
-minimal wrapper keys on the non-static inputs' shapes, looks the graph up in a dict, copies the non-static inputs
-into its static buffers in one call, replays, returns the static outputs (what vLLM's wrapper does; it checks no
-parameter address and bumps no version counter). Both replay the same kind of graph. On the CPU every emulated
+Host time per replay, ours vs a minimal CUDA-graph wrapper measured in the same process: the minimal wrapper keys
+on the non-static inputs' shapes, looks the graph up in a dict, copies the non-static inputs into its static
+buffers in one call, replays, returns the static outputs (what vLLM's wrapper does; it checks no parameter address
+and bumps no version counter). Both replay the same kind of graph. The decode rows time a real decode loop (a new
+token and position every step, decode_call_times): the same split with every partition answering from a cache is
+the step's bound, and a step's time over it, shared out over its partition calls, is the time per call (timing one
+call with its arguments repeated saw half of what a real loop pays: issue 36). On the CPU every emulated
 replay is made a no-op returning the static outputs during the timed calls, so what is timed is the host work
 around a replay (on a GPU the replay itself is one graph launch); bench_gpu.py times the same on CUDA with real
 graphs. Workloads: an 8-layer KV-cache decode step in layer scope (one partition per layer, 17 arguments, 12 of
@@ -34,8 +37,9 @@ from cgcompile.runtime.local import runner as partition_runner
 from cgcompile.runtime.drivers.emulate import EmulatedGraph
 from tests.models import kv_gpt
 
-__all__ = ["address_check_times", "decode_candidates", "decode_host_times", "decode_step_times", "depth_host_times", "glue_bound", "inner_host_times",
-           "python_host_path", "reuse_rows"]
+__all__ = ["address_check_times", "decode_call_times", "decode_candidates", "decode_host_times", "decode_step_times",
+           "depth_host_times", "glue_bound", "inner_host_times", "minimal_partitions", "python_host_path", "reuse_rows",
+           "split_with_stand_ins", "StandIns"]
 
 
 class MinimalWrapper:
@@ -201,11 +205,22 @@ def inner_host_times(scope: str, layers: int = 8, calls: int = 2000, repeats: in
     return {inner: sum(times) / len(times) for inner, times in found.items()}
 
 
-def glue_bound(options: dict) -> Callable[[torch.fx.GraphModule, list], Callable[..., Any]]:
-    """A backend for the lowest host time a runtime could reach with these options' plan: the graph planned and
-    split as cgcompile splits it, each partition it would capture answering with the outputs of its first call
-    (a replay and its checks costing nothing), the partitions it leaves eager (the glue between the layers in
-    layer scope) run as cgcompile runs them."""
+class StandIns:
+    """How many partitions a split_with_stand_ins backend put in place of those cgcompile would capture: a graph's
+    code is straight-line, so a step of a frame compiled to one graph calls each once (a step's time shared out
+    per partition call)."""
+
+    def __init__(self) -> None:
+        self.made = 0
+
+
+def split_with_stand_ins(options: dict, stand_in: Callable[[Callable[..., Any]], Callable[..., Any]],
+                         tally: Optional[StandIns] = None, finish: Optional[Callable[[Any], Any]] = None
+                         ) -> Callable[[torch.fx.GraphModule, list], Callable[..., Any]]:
+    """A backend that plans and splits the graph as cgcompile splits it with these options, each partition it would
+    capture replaced by `stand_in(its plain forward)`, the partitions it leaves eager (the glue between the layers
+    in layer scope) run as cgcompile runs them. `tally` counts the stand-ins it puts in; `finish`, what the frame
+    does with its outputs as they leave it."""
     from cgcompile.config import CudaGraphConfig
     from cgcompile.frame_plan import make_plan
     from cgcompile.plan import submodule_name
@@ -213,23 +228,70 @@ def glue_bound(options: dict) -> Callable[[torch.fx.GraphModule, list], Callable
 
     config = CudaGraphConfig.from_options(options)
 
-    def first_outputs(run: Callable[..., Any]) -> Callable[..., Any]:
-        kept: List[Any] = []
-
-        def answer(*args: Any) -> Any:
-            if not kept:
-                kept.append(run(*args))
-            return kept[0]
-        return answer
-
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         graph_plan = make_plan(gm, example_inputs, config, 0)
         split_gm = split(gm, graph_plan)
         for partition in graph_plan.captured:
             name = submodule_name(partition.id)
-            replace_submodule(split_gm, name, first_outputs(plain_forward(getattr(split_gm, name))))
-        return call_directly(split_gm)
+            replace_submodule(split_gm, name, stand_in(plain_forward(getattr(split_gm, name))))
+            if tally is not None:
+                tally.made += 1
+        return call_directly(split_gm, finish)
     return backend
+
+
+def first_outputs(run: Callable[..., Any]) -> Callable[..., Any]:
+    """A stand-in that answers every call with the outputs of its first: a replay and its checks costing nothing."""
+    kept: List[Any] = []
+
+    def answer(*args: Any) -> Any:
+        if not kept:
+            kept.append(run(*args))
+        return kept[0]
+    return answer
+
+
+def glue_bound(options: dict, tally: Optional[StandIns] = None
+               ) -> Callable[[torch.fx.GraphModule, list], Callable[..., Any]]:
+    """A backend for the lowest host time a runtime could reach with these options' plan: the graph planned and
+    split as cgcompile splits it, each partition it would capture answering with the outputs of its first call
+    (a replay and its checks costing nothing), the partitions it leaves eager (the glue between the layers in
+    layer scope) run as cgcompile runs them."""
+    return split_with_stand_ins(options, first_outputs, tally)
+
+
+def minimal_partitions(options: dict, held: Callable[[], set], tally: Optional[StandIns] = None
+                       ) -> Callable[[torch.fx.GraphModule, list], Callable[..., Any]]:
+    """The same split, each partition cgcompile would capture run by a MinimalWrapper around an emulated capture of
+    it (its inputs copied in unless `held()`, the ids of the model's parameters and buffers, has them; its static
+    outputs handed on as they are, and cloned only as they leave the frame, where the next replay would overwrite
+    what the caller keeps): a partition call of the minimal wrapper as a real decode loop makes it."""
+    from cgcompile.runtime.drivers.select import get_driver
+
+    driver = get_driver("emulate", "cpu")
+    static_outputs: set = set()  # the data pointers of the stand-ins' static outputs
+
+    def minimal(run: Callable[..., Any]) -> Callable[..., Any]:
+        made: List[Tuple[MinimalWrapper, bool]] = []
+
+        def call(*args: Any) -> Any:
+            if not made:  # the first call runs the partition eagerly (a warmup call) and builds the wrapper
+                one = isinstance(run(*args), torch.Tensor)
+                static = [i for i, a in enumerate(args) if id(a) in held()]
+                made.append((MinimalWrapper(lambda inputs: [run(*inputs)] if one else list(run(*inputs)), static,
+                                            args, driver), one))
+            wrapper, one = made[0]
+            captured = len(wrapper.graphs)
+            out = wrapper(*args)
+            if len(wrapper.graphs) != captured:  # a capture: its static outputs
+                static_outputs.update(t.data_ptr() for t in out if isinstance(t, torch.Tensor))
+            return out[0] if one else tuple(out)
+        return call
+
+    def leaving(outputs: Any) -> Any:  # the frame's outputs (a flat list or tuple, as Dynamo's)
+        return type(outputs)(o.clone() if isinstance(o, torch.Tensor) and o.data_ptr() in static_outputs else o
+                             for o in outputs)
+    return split_with_stand_ins(options, minimal, tally, leaving)
 
 
 def own_decode_step(model: nn.Module) -> nn.Module:
@@ -261,7 +323,8 @@ def python_host_path():
 
 
 def decode_candidates(scopes: Sequence[str] = ("layer", "block"), layers: int = 8, inner: str = "eager",
-                      python_path: bool = False) -> Tuple[List[str], Callable[[str, int], None]]:
+                      python_path: bool = False, tallies: Optional[Dict[str, StandIns]] = None
+                      ) -> Tuple[List[str], Callable[[str, int], None]]:
     """The decode steps decode_step_times (and step_instructions.py) compare, each a torch.compile of the decode step of
     one KV-cache model of `layers` layers: "floor", a backend that returns the outputs of its first call (Dynamo's
     guards and frame call: what any backend pays); "minimal", a backend that copies the step's non-parameter inputs
@@ -269,7 +332,9 @@ def decode_candidates(scopes: Sequence[str] = ("layer", "block"), layers: int = 
     backend that copies inputs in and hands out outputs a next replay cannot overwrite pays at least); cgcompile
     per scope; with layer scope, "layer bound" too (glue_bound: the layers answered from a cache, the glue between
     them eager); with `python_path`, "block python" too (block scope with the host path in Python: cgcompile where
-    its compiled helpers were not built). The model is prefilled. Returns the names and `run(name, steps)`, which runs that candidate's
+    its compiled helpers were not built); with `tallies`, per scope "<scope> bound" and "<scope> minimal" (the same
+    split with each partition a MinimalWrapper, minimal_partitions), tallies[scope] counting its partitions per
+    step. The model is prefilled. Returns the names and `run(name, steps)`, which runs that candidate's
     next `steps` steps of a real decode loop (each at the next position, with a new token tensor); call it under
     torch.no_grad()."""
     torch._dynamo.reset()
@@ -295,11 +360,17 @@ def decode_candidates(scopes: Sequence[str] = ("layer", "block"), layers: int = 
     floor = torch.compile(own_decode_step(model), backend=cached_outputs)
     steps_of: Dict[str, Callable[..., Any]] = {
         "floor": floor, "minimal": torch.compile(own_decode_step(model), backend=minimal_replay)}
+    held = {id(t) for t in (*model.parameters(), *model.buffers())}
     for scope in scopes:
         options = {"cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": scope, "driver": "emulate",
                    "inner_compiler": inner}
         steps_of[scope] = torch.compile(own_decode_step(model), backend="cudagraph_modules", options=options)
-        if scope == "layer":
+        if tallies is not None:
+            tally = tallies[scope] = StandIns()
+            steps_of[f"{scope} bound"] = torch.compile(own_decode_step(model), backend=glue_bound(options, tally))
+            steps_of[f"{scope} minimal"] = torch.compile(own_decode_step(model),
+                                                         backend=minimal_partitions(options, lambda: held))
+        elif scope == "layer":
             steps_of["layer bound"] = torch.compile(own_decode_step(model), backend=glue_bound(options))
         if scope == "block" and python_path:
             steps_of["block python"] = torch.compile(own_decode_step(model), backend="cudagraph_modules",
@@ -331,6 +402,28 @@ def decode_step_times(scopes: Sequence[str] = ("layer", "block"), layers: int = 
     a neighbour's load or a slow moment lands on all candidates alike and on few samples (whole runs of 200 steps
     per candidate, timed apart, moved the ratio by up to 50% on a shared machine)."""
     names, run = decode_candidates(scopes, layers, inner, python_path)
+    return {name: statistics.median(found) for name, found in _interleaved(names, run, rounds, block).items()}
+
+
+def decode_call_times(scopes: Sequence[str] = ("layer", "block"), layers: int = 8, rounds: int = 2000,
+                      block: int = 5) -> Dict[str, Tuple[float, float]]:
+    """Per scope: (ours, minimal), host seconds per partition call in a real decode loop (a new position every step),
+    replays as launches: a step's time over its bound's (every partition answering from a cache, the glue as
+    cgcompile runs it), shared out over the step's partition calls, for cgcompile and for the same split with each
+    partition a MinimalWrapper (decode_candidates with tallies; timed as decode_step_times times)."""
+    tallies: Dict[str, StandIns] = {}
+    names, run = decode_candidates(scopes, layers, tallies=tallies)
+    samples = _interleaved(names, run, rounds, block)
+
+    def over_bound(name: str, scope: str) -> float:  # paired by round: a slow moment lands on both of a pair
+        return statistics.median(t - b for t, b in zip(samples[name], samples[f"{scope} bound"])) / tallies[scope].made
+    return {scope: (over_bound(scope, scope), over_bound(f"{scope} minimal", scope)) for scope in scopes}
+
+
+def _interleaved(names: Sequence[str], run: Callable[[str, int], None], rounds: int,
+                 block: int) -> Dict[str, List[float]]:
+    """decode_step_times' timing of decode_candidates' `names` (its docstring): per candidate, its seconds per step
+    in each round."""
     samples: Dict[str, List[float]] = {name: [] for name in names}
     with torch.no_grad():
         for name in names:  # compile, warm up, capture, and the bank policy's first judgement
@@ -342,7 +435,7 @@ def decode_step_times(scopes: Sequence[str] = ("layer", "block"), layers: int = 
                     start = time.process_time()  # this process's CPU time: other sessions' load stays out
                     run(name, block)
                     samples[name].append((time.process_time() - start) / block)
-    return {name: statistics.median(found) for name, found in samples.items()}
+    return samples
 
 
 def address_check_times(count: int = 118, calls: int = 2000, repeats: int = 7, device: str = "cpu") -> Dict[str, float]:

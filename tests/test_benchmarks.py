@@ -126,3 +126,29 @@ def test_step_instructions_counts_steps_that_take_the_short_path():
     assert list(rows) == ["floor", "minimal", "layer", "layer bound", "block"]
     assert rows["layer"] == 2.0 and rows["block"] == 1.0  # 2 layers: one graph each; block scope: one graph
     assert rows["floor"] == rows["minimal"] == rows["layer bound"] == 0.0
+
+
+def test_the_real_loop_per_call_rows_stand_ins_run_the_plan_and_decode_like_eager():
+    """Table (g)'s per-call rows share a real loop's step time out over the partitions cgcompile would capture:
+    the stand-ins must be exactly those partitions (counted one per captured partition of the plan: 2 layers in
+    layer scope, one graph in block scope), and the minimal wrapper standing in for them must run the real step
+    (the same tokens and cache as eager), or the row would time a shortcut."""
+    import torch
+
+    replay_cost = load_bench("replay_cost")
+    from tests.models import kv_gpt
+
+    (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
+    eager = kv_gpt.build(num_layers=2).eval()
+    expected = kv_gpt.generate(kv_gpt.DecodeStep(eager), eager, prompt, 6)
+    for scope, partitions in (("layer", 2), ("block", 1)):
+        torch._dynamo.reset()
+        model = kv_gpt.build(num_layers=2).eval()
+        held = {id(t) for t in (*model.parameters(), *model.buffers())}
+        options = {"cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": scope, "driver": "emulate"}
+        tally = replay_cost.StandIns()
+        step = torch.compile(kv_gpt.DecodeStep(model), backend=replay_cost.minimal_partitions(options, lambda: held,
+                                                                                              tally))
+        assert torch.equal(kv_gpt.generate(step, model, prompt, 6), expected), scope
+        assert torch.equal(model.layers[1].attn.k_cache, eager.layers[1].attn.k_cache), scope
+        assert tally.made == partitions, (scope, tally.made)
