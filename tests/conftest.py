@@ -32,22 +32,7 @@ def _fresh_dynamo():
     assert GlobalState.now() == before, "the test left global state changed"
 
 
-# The ten files that take longest (about 35-140 s each of a 2-process run here, measured with --durations=0),
-# longest first. xdist's loadfile scheduling hands files out in collection order as workers free up, so a long file
-# collected late runs alone at the end while the other worker idles; started first, the short files fill in around
-# them (a 2-process run here: 765 s for 1444 s of tests; 794-906 s in the runs before it, some with other load).
-LONGEST_FIRST = ("test_random_models.py", "test_benchmarks_gpu.py", "test_benchmarks.py", "test_examples.py",
-                 "test_dynamic_padding.py", "hf/test_hf_train.py", "test_tensor_parallel.py", "test_inductor_inner.py",
-                 "test_graph_economy_distributed.py", "test_runtime_traps_zoo.py")
-
-
-def _start_rank(item) -> int:
-    path = item.nodeid.split("::")[0].removeprefix("tests/")
-    return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_start_rank)  # stable: each file's tests keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
