@@ -260,10 +260,10 @@ def glue_bound(options: dict, tally: Optional[StandIns] = None
     return split_with_stand_ins(options, first_outputs, tally)
 
 
-def minimal_partitions(options: dict, held: Callable[[], set], tally: Optional[StandIns] = None
+def minimal_partitions(options: dict, held: set, tally: Optional[StandIns] = None
                        ) -> Callable[[torch.fx.GraphModule, list], Callable[..., Any]]:
     """The same split, each partition cgcompile would capture run by a MinimalWrapper around an emulated capture of
-    it (its inputs copied in unless `held()`, the ids of the model's parameters and buffers, has them; its static
+    it (its inputs copied in unless `held`, the ids of the model's parameters and buffers, has them; its static
     outputs handed on as they are, and cloned only as they leave the frame, where the next replay would overwrite
     what the caller keeps): a partition call of the minimal wrapper as a real decode loop makes it."""
     from cgcompile.runtime.drivers.select import get_driver
@@ -277,7 +277,7 @@ def minimal_partitions(options: dict, held: Callable[[], set], tally: Optional[S
         def call(*args: Any) -> Any:
             if not made:  # the first call runs the partition eagerly (a warmup call) and builds the wrapper
                 one = isinstance(run(*args), torch.Tensor)
-                static = [i for i, a in enumerate(args) if id(a) in held()]
+                static = [i for i, a in enumerate(args) if id(a) in held]
                 made.append((MinimalWrapper(lambda inputs: [run(*inputs)] if one else list(run(*inputs)), static,
                                             args, driver), one))
             wrapper, one = made[0]
@@ -341,6 +341,7 @@ def decode_candidates(scopes: Sequence[str] = ("layer", "block"), layers: int = 
     model = kv_gpt.build(num_layers=layers).eval()
     (prompt,) = kv_gpt.example_inputs(batch=4, seq=8)
     positions = kv_gpt.positions(model.max_seq)
+    held = {id(t) for t in (*model.parameters(), *model.buffers())}  # read in place (the cache too: written there)
 
     def cached_outputs(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         outputs = gm(*example_inputs)
@@ -348,7 +349,6 @@ def decode_candidates(scopes: Sequence[str] = ("layer", "block"), layers: int = 
 
     def minimal_replay(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         outputs = gm(*example_inputs)
-        held = {id(t) for t in (*model.parameters(), *model.buffers())}  # the cache too: written in place
         moving = [i for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor) and id(a) not in held]
         buffers = [example_inputs[i].clone() for i in moving]
 
@@ -360,7 +360,6 @@ def decode_candidates(scopes: Sequence[str] = ("layer", "block"), layers: int = 
     floor = torch.compile(own_decode_step(model), backend=cached_outputs)
     steps_of: Dict[str, Callable[..., Any]] = {
         "floor": floor, "minimal": torch.compile(own_decode_step(model), backend=minimal_replay)}
-    held = {id(t) for t in (*model.parameters(), *model.buffers())}
     for scope in scopes:
         options = {"cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": scope, "driver": "emulate",
                    "inner_compiler": inner}
@@ -369,7 +368,7 @@ def decode_candidates(scopes: Sequence[str] = ("layer", "block"), layers: int = 
             tally = tallies[scope] = StandIns()
             steps_of[f"{scope} bound"] = torch.compile(own_decode_step(model), backend=glue_bound(options, tally))
             steps_of[f"{scope} minimal"] = torch.compile(own_decode_step(model),
-                                                         backend=minimal_partitions(options, lambda: held))
+                                                         backend=minimal_partitions(options, held))
         elif scope == "layer":
             steps_of["layer bound"] = torch.compile(own_decode_step(model), backend=glue_bound(options))
         if scope == "block" and python_path:

@@ -147,8 +147,7 @@ def test_the_real_loop_per_call_rows_stand_ins_run_the_plan_and_decode_like_eage
         held = {id(t) for t in (*model.parameters(), *model.buffers())}
         options = {"cuda_graph_modules": ["attn", "mlp"], "inference_cuda_graph_scope": scope, "driver": "emulate"}
         tally = replay_cost.StandIns()
-        step = torch.compile(kv_gpt.DecodeStep(model), backend=replay_cost.minimal_partitions(options, lambda: held,
-                                                                                              tally))
+        step = torch.compile(kv_gpt.DecodeStep(model), backend=replay_cost.minimal_partitions(options, held, tally))
         assert torch.equal(kv_gpt.generate(step, model, prompt, 6), expected), scope
         assert torch.equal(model.layers[1].attn.k_cache, eager.layers[1].attn.k_cache), scope
         assert tally.made == partitions, (scope, tally.made)
