@@ -1,5 +1,6 @@
 // The one Python type each of cgcompile's compiled host-path helpers defines (steady_replay.cpp, scope_gate.cpp):
-// a callable object that holds Python references (so the cycle collector must see them), made into a module.
+// a callable object that holds Python references (so the cycle collector must see them), made into a module; and
+// the per-call read of a Python object's integer counter that both compare with the one they were given.
 #pragma once
 
 #define PY_SSIZE_T_CLEAN
@@ -26,6 +27,17 @@ inline PyObject* new_reference(PyObject* held) {
     }
     Py_INCREF(held);
     return held;
+}
+
+// `object.<name>`, an int, into *value: 0, or -1 with the error set (the attribute missing or not an int).
+inline int long_attribute(PyObject* object, PyObject* name, long long* value) {
+    PyObject* found = PyObject_GetAttr(object, name);
+    if (found == nullptr) {
+        return -1;
+    }
+    *value = PyLong_AsLongLong(found);
+    Py_DECREF(found);
+    return *value == -1 && PyErr_Occurred() ? -1 : 0;
 }
 
 // `module` with `type`, filled from `slots` and readied, added under `attribute`: the module, or nullptr with the

@@ -40,13 +40,8 @@ PyObject* call(PyObject* object, PyObject* args, PyObject* kwargs) {
     if (probed != self->probed) {
         return PyObject_Call(self->frame, args, kwargs);
     }
-    PyObject* generation = PyObject_GetAttr(self->scopes, name_generation);
-    if (generation == nullptr) {
-        return nullptr;
-    }
-    long long now = PyLong_AsLongLong(generation);
-    Py_DECREF(generation);
-    if (now == -1 && PyErr_Occurred()) {
+    long long now = 0;
+    if (long_attribute(self->scopes, name_generation, &now) < 0) {
         return nullptr;
     }
     if (now != self->generation) {

@@ -107,13 +107,8 @@ int may_replay(SteadyLeaving* self, Entry& entry, PyObject* args) {
     if (ok != 1) {
         return ok;
     }
-    PyObject* changes = PyObject_GetAttr(self->registry, name_changes);
-    if (changes == nullptr) {
-        return -1;
-    }
-    long long now = PyLong_AsLongLong(changes);
-    Py_DECREF(changes);
-    if (now == -1 && PyErr_Occurred()) {
+    long long now = 0;
+    if (long_attribute(self->registry, name_changes, &now) < 0) {
         return -1;
     }
     if (now != entry.changes) {
