@@ -27,6 +27,7 @@ from .runtime.frame.capture_sizes import BatchPadding
 from .devices import device_of
 from .frame_plan import make_plan
 from .runtime.frame.fsdp import keeper_for
+from .runtime.local.lineage import lineage_of
 from .runtime.local.model_runtime import ModelRuntime
 from .runtime.local.compile import compile_partition
 from .runtime.release import release
@@ -141,7 +142,11 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
     plain FX code. A graph with nothing to capture runs unsplit (no extra host overhead)."""
     if not graph_plan.captured:
         return plain_forward(gm)
-    runtime = ModelRuntime(config, device_of(example_inputs), graph_plan)  # with its index: the plan keeps only the type
+    # which recompile of which code this frame is (runtime/local/lineage.py)
+    lineage = lineage_of([n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"],
+                         graph_plan.training)
+    # the device with its index: the plan keeps only the type
+    runtime = ModelRuntime(config, device_of(example_inputs), graph_plan, lineage)
     if config.cuda_graph_impl != CudaGraphImpl.TRANSFORMER_ENGINE and not runtime.driver.captures \
             and not config.fuses_with_inductor(runtime.driver.name):
         return plain_forward(gm)  # nothing to capture or compile (e.g. driver=auto on CPU): splitting only adds calls

@@ -17,8 +17,8 @@ import torch
 
 __all__ = ["ADDRESS_CHECK_IMPL", "ADDRESS_CHECK_IMPLS", "AddressCheck", "any_autocast", "aot_compile",
            "at_backward_end", "boxed", "by_position_check", "copy_all", "cuda_end_allocate_to_pool",
-           "cuda_release_pool", "direct_inference", "donated_inputs", "dynamo_frame", "fsdp2_keep_unsharded",
-           "fsdp2_params", "fsdp2_restore_free", "FsdpParam", "functorch_level",
+           "cuda_release_pool", "compile_id", "direct_inference", "donated_inputs", "dynamo_frame",
+           "fsdp2_keep_unsharded", "fsdp2_params", "fsdp2_restore_free", "FsdpParam", "functorch_level",
            "generator_capture_state_outlives_failure", "increment_versions", "is_unregistered_generator_error",
            "is_wrapper_subclass", "pop_functorch_level", "resolve_overload", "set_grad_enabled", "set_versions",
            "storage_key", "storage_use_count", "storage_weak_ref", "TorchDispatchMode", "tree_flatten",
@@ -336,6 +336,21 @@ def resolve_overload(packet: Any, args: Sequence[Any], kwargs: dict) -> Any:
     except Exception:
         return None
     return getattr(packet, name or "default", None)
+
+
+def compile_id() -> Optional[tuple]:
+    """(frame id, compile index) of the Dynamo compile running now (called from a backend), or None outside one:
+    every recompile of one code object keeps its frame id and takes the next index.
+
+    torch._guards.CompileContext.current_compile_id() (CompileId.frame_id, .frame_compile_id): private; checked
+    2.11, 2.13."""
+    try:
+        from torch._guards import CompileContext
+        found = CompileContext.current_compile_id()
+    except (ImportError, AttributeError):
+        return None
+    frame, index = getattr(found, "frame_id", None), getattr(found, "frame_compile_id", None)
+    return None if frame is None or index is None else (frame, index)
 
 
 def dynamo_frame() -> tuple:

@@ -1,7 +1,8 @@
 """transformers' real model code in the loops users write, graphs reused after warmup (issue 27), and with
 non-reentrant gradient checkpointing (issue 28): HF Mixtral with fp32 weights (its grouped-mm fallback keeps a
 partition output on its autograd context) in the ordinary loop that keeps `loss` alive, with 2 micro-batches of
-gradient accumulation, and Llama / Mixtral with gradient_checkpointing_enable(use_reentrant=False)."""
+gradient accumulation, Llama / Mixtral with gradient_checkpointing_enable(use_reentrant=False), and Llama fed new
+sequence lengths (the frame Dynamo compiled first, for one length, releases its graphs once superseded)."""
 
 import copy
 
@@ -81,3 +82,33 @@ def test_mixtral_fp32_without_warmup_settles_at_the_graphs_it_needs():
     assert all(g["steady_replays"] >= 1 for g in st["graphs"])
     (calls_0, replays_0), (calls_1, replays_1) = marks[-2], marks[-1]
     assert replays_1 - replays_0 == calls_1 - calls_0  # the last step: every call a replay
+
+
+def test_llama_with_new_sequence_lengths_releases_the_static_frames_graphs_and_trains_like_eager():
+    """A new sequence length makes Dynamo compile the forward again with the length symbolic; the frame made for the
+    first length is never called again, and its graphs go once the new frame has captured (lineage.py)."""
+    torch._dynamo.reset()
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="cudagraph_modules", options={**OPTIONS, "cuda_graph_warmup_steps": 1})
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    cgcompile.reset_stats()
+    generator = torch.Generator().manual_seed(0)
+    loss_diff, first_frame = 0.0, None
+    for step, length in enumerate([16] * 3 + [12, 20] * 4 + [16] * 4):
+        if step == 3:  # before the first new length: the first frame's graphs, replayed
+            first_frame = [g for g in cgcompile.stats()["graphs"]]
+            assert first_frame and all(g["steady_replays"] > 0 for g in first_frame), first_frame
+        ids = torch.randint(0, 64, (2, length), generator=generator)
+        loss, ref = compiled(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss
+        loss.backward()
+        ref.backward()
+        loss_diff = max(loss_diff, (loss - ref).abs().item())
+        opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
+    param_diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    assert loss_diff == 0.0 and param_diff <= 1e-6
+    st = cgcompile.stats()
+    assert st["graphs_released"] == len(first_frame)  # the first frame's, and only those
+    assert not {g["label"] for g in first_frame} & {g["label"] for g in st["graphs"]}
+    assert st["graphs_captured"] == len(first_frame) + len(st["graphs"]) and st["eager_fallbacks"] == []
+    assert all(g["steady_replays"] > 0 for g in st["graphs"]), st["graphs"]  # the symbolic frame's, each reused

@@ -27,6 +27,7 @@ from ..memory.garbage import CycleCollector
 from ..memory.registry import MemoryRegistry
 from .budget import GraphBudget, check_after_capture
 from .instance import GraphInstance, memory_of
+from .lineage import FrameLineage, Supersession
 
 log = logging.getLogger("cgcompile")
 
@@ -46,8 +47,11 @@ class ModelRuntime:
     called (once either way). When the wave's captures take longer than 2 s a progress display appears.
     """
 
-    def __init__(self, config: Any, device: Any, plan: Any = None):
+    def __init__(self, config: Any, device: Any, plan: Any = None, lineage: Optional[FrameLineage] = None):
         self.config = config
+        self.lineage = lineage  # the code object and inputs it was compiled for (lineage.py), None when unknown
+        # the earlier frames of the same code this one supersedes: released when its first capture wave ends
+        self._superseded = Supersession(lineage, live_runtimes(), lambda rt: rt.config == config, _frame_calls)
         self.driver: Driver = get_driver(str(config.driver), device)
         self.device = getattr(self.driver, "device", None) or torch.device(device)  # cuda: with its index
         self.memory = MemoryRegistry()
@@ -229,6 +233,7 @@ class ModelRuntime:
         if graph.replays > 1 and self._wave_open:
             self._wave_open = False
             self.log_capture_summary()
+            self._release_superseded()
 
     def note_dead(self, runner: Any, graph: GraphInstance) -> None:
         """A parameter `graph` reads was freed (called from a weak reference's callback): `runner`, the partition
@@ -242,6 +247,28 @@ class ModelRuntime:
             if graph.alive:
                 runner.releaser.release([graph], "a parameter it reads was freed (e.g. replaced by "
                                                  "load_state_dict(assign=True))", force=True)
+
+    def _release_superseded(self) -> None:
+        """The frames this one superseded (lineage.py) that made no call since it was made: their graphs go, with
+        their memory; a call of one captures anew."""
+        for old in self._superseded.due():
+            graphs = len(old.live_graphs())
+            if not graphs:
+                continue
+            old.release()
+            count("graphs_released", graphs)
+            log.info("cgcompile: %s was compiled again with dynamic sizes as %s, which Dynamo now calls for its sizes "
+                     "too: released its %d graph(s), their memory returned (a later call of it captures anew)",
+                     _frame_name(old), _frame_name(self), graphs)
+
+
+def _frame_name(runtime: ModelRuntime) -> str:
+    return "a frame" if runtime.plan is None else f"graph {runtime.plan.index}"
+
+
+def _frame_calls(runtime: ModelRuntime) -> int:
+    """The calls a frame's captured partitions have counted (its steady replays' pending ones too)."""
+    return sum(runner.bank_counters().calls for runner in runtime.runners())
 
 
 def live_runtimes() -> List[ModelRuntime]:
