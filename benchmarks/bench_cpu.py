@@ -419,6 +419,7 @@ def main(argv=None) -> int:
             print("\n(i) what the graphs hold: left out by --quick (python benchmarks/memory_table.py --quick)")
         else:
             memory_table.print_memory_table(False)
+            memory_table.print_recompiled_frames()
         print_kernels(args.quick)
         print(f"\ntotal {time.perf_counter() - started:.0f} s")
 

@@ -6,6 +6,9 @@ Graphs keep their static memory between steps; eager's activations live only bet
 backward. Equal numbers mean the graphs hold about one step's activations for good; the rest is what the runtime
 adds (input buffers copied in, outputs kept as static memory that eager would free at once).
 
+Beside it (not with --quick): a frame Dynamo compiled again with dynamic sizes, the graphs of the frame it
+superseded released (runtime/local/lineage.py), and what they held.
+
 Run: python benchmarks/memory_table.py [--quick]
 """
 
@@ -92,10 +95,54 @@ def print_memory_table(quick: bool) -> None:
         print("  " + "  ".join(f"{c:>13}" for c in cells))
 
 
+def recompiled_frame(family: str) -> Dict[str, float]:
+    """HF `family` trained at one sequence length, then at two others (Dynamo compiles the forward again with the
+    length symbolic): the first frame's graphs and bytes before the change, and at the end the graphs released and
+    what the live graphs hold (without the release the first frame's graphs would still hold their bytes)."""
+    from tests.hf.families import build  # transformers: a test dependency
+
+    torch._dynamo.reset()
+    model = build(family)
+    compiled = torch.compile(model, backend="cudagraph_modules",
+                             options={"driver": "emulate", "cuda_graph_modules": [], "cuda_graph_warmup_steps": 1})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(0)
+    cgcompile.reset_stats()
+    first: Dict[str, float] = {}
+    for step, length in enumerate([16] * 3 + [12, 20] * 4 + [16] * 4):
+        if step == 3:
+            st = cgcompile.stats()
+            first = {"graphs": len(st["graphs"]), "bytes": st["graph_bytes"]}
+        ids = torch.randint(0, 64, (2, length), generator=generator)
+        compiled(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    st = cgcompile.stats()
+    del compiled, model
+    torch._dynamo.reset()
+    return {"first graphs": first["graphs"], "first bytes": first["bytes"], "released": st["graphs_released"],
+            "live": len(st["graphs"]), "live bytes": st["graph_bytes"]}
+
+
+def print_recompiled_frames() -> None:
+    print("\n(i) a frame Dynamo compiled again with dynamic sizes (runtime/local/lineage.py): HF tiny configs, fp32, "
+          "sequence length 16 for 3 steps, then 12 and 20 in turn, then 16; KiB")
+    print("  " + "  ".join(f"{h:>14}" for h in ("model", "first frame", "its KiB", "released", "live graphs",
+                                                 "live KiB", "without release")))
+    for family in ("llama", "mixtral"):
+        row = recompiled_frame(family)
+        cells = [family, row["first graphs"], f"{row['first bytes'] / 1024:.1f}", row["released"], row["live"],
+                 f"{row['live bytes'] / 1024:.1f}", f"{(row['live bytes'] + row['first bytes']) / 1024:.1f}"]
+        print("  " + "  ".join(f"{c:>14}" for c in cells))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    print_memory_table(parser.parse_args(argv).quick)
+    quick = parser.parse_args(argv).quick
+    print_memory_table(quick)
+    if not quick:
+        print_recompiled_frames()
     return 0
 
 

@@ -74,6 +74,7 @@ def test_a_static_frame_recompiled_with_dynamic_sizes_releases_its_graphs_and_tr
                 static_graphs = graphs_by_frame_of_one()
                 assert [g.kind for g in static_graphs] == ["forward", "backward"]
                 assert all(g.replays > 1 for g in static_graphs)  # replayed at batch 4 before the change
+                held = cgcompile.stats()["graphs"]  # what they hold
             x = batch(rows, i)
             assert train_step(compiled, opt_c, x) == pytest.approx(train_step(eager_model, opt_e, x), rel=1e-5)
     for p_c, p_e in zip(model.parameters(), eager_model.parameters()):
@@ -86,6 +87,8 @@ def test_a_static_frame_recompiled_with_dynamic_sizes_releases_its_graphs_and_tr
     assert all(g.replays > 1 for g in frames[True] if g.kind == "forward"), [g.replays for g in frames[True]]
     released = [r.getMessage() for r in caplog.records if "compiled again with dynamic sizes" in r.getMessage()]
     assert len(released) == 1 and "released its 2 graph(s)" in released[0], released
+    kib = sum(g["pool_bytes"] + g["static_input_bytes"] + g["static_output_bytes"] for g in held) / 1024
+    assert f"{kib:.1f} KiB returned" in released[0], (kib, released)
 
 
 def graphs_by_frame_of_one() -> list:

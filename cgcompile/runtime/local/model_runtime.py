@@ -252,14 +252,15 @@ class ModelRuntime:
         """The frames this one superseded (lineage.py) that made no call since it was made: their graphs go, with
         their memory; a call of one captures anew."""
         for old in self._superseded.due():
-            graphs = len(old.live_graphs())
+            graphs = old.live_graphs()
             if not graphs:
                 continue
+            nbytes = releases.held_bytes([memory_of(g) for g in graphs])
             old.release()
-            count("graphs_released", graphs)
+            count("graphs_released", len(graphs))
             log.info("cgcompile: %s was compiled again with dynamic sizes as %s, which Dynamo now calls for its sizes "
-                     "too: released its %d graph(s), their memory returned (a later call of it captures anew)",
-                     _frame_name(old), _frame_name(self), graphs)
+                     "too: released its %d graph(s), %.1f KiB returned (a later call of it captures anew)",
+                     _frame_name(old), _frame_name(self), len(graphs), nbytes / 1024)
 
 
 def _frame_name(runtime: ModelRuntime) -> str:
