@@ -1,11 +1,12 @@
 """Graphs that are reused, not just captured (issue 27), on the loops that used to defeat reuse: an eager island's
 autograd context keeping a partition output, a graph break in every layer, sizes that cycle under a small cap,
 declared capture sizes; and the per-layer policy state (warmup per parameter set, graphs of freed parameters
-released at once). "Reuse" counts steady replays: a graph run again after the call that captured it."""
+released at once, a deleted model's when the next frame compiles). "Reuse" counts steady replays: a graph run again after the call that captured it."""
 
 from __future__ import annotations
 
 import copy
+import gc
 import sys
 
 import pytest
@@ -302,3 +303,24 @@ def test_graphs_of_parameters_that_were_freed_are_released_at_the_next_call():
     assert st["graphs_released"] == 1  # the old forward instance, with its backward, at the first call
     assert len(st["graphs"]) == 2 and all(g["steady_replays"] >= 1 for g in st["graphs"])
     assert sum(len(rt.live_graphs()) for rt in live_runtimes()) == 2
+
+
+def test_a_deleted_models_graphs_are_released_when_the_next_frame_compiles():
+    """A sweep over model widths in one process: each width is a frame of its own, never called again once its
+    model is gone; its graphs go when the next model's frame compiles, not at the end of the run."""
+    options = {"cuda_graph_modules": [], "driver": "emulate", "cuda_graph_warmup_steps": 1}
+    cgcompile.reset_stats()
+    trials = []
+    for width in (32, 48, 64):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, width), nn.GELU(), nn.Linear(width, 4))
+        compiled = torch.compile(model, backend="cudagraph_modules", options=options)
+        for _ in range(4):
+            compiled(torch.randn(4, 16)).sum().backward()
+        trials.append([g for rt in live_runtimes() for g in rt.live_graphs() if not any(
+            g is kept for graphs in trials for kept in graphs)])
+        assert [g.kind for g in trials[-1]] == ["forward", "backward"] and trials[-1][0].replays > 1
+        del model, compiled
+        gc.collect()
+    assert [all(g.alive for g in graphs) for graphs in trials] == [False, False, True]
+    assert cgcompile.stats()["graphs_released"] == 2  # each forward instance, with its backward

@@ -50,8 +50,12 @@ class ModelRuntime:
     def __init__(self, config: Any, device: Any, plan: Any = None, lineage: Optional[FrameLineage] = None):
         self.config = config
         self.lineage = lineage  # the code object and inputs it was compiled for (lineage.py), None when unknown
+        others = live_runtimes()
         # the earlier frames of the same code this one supersedes: released when its first capture wave ends
-        self._superseded = Supersession(lineage, live_runtimes(), lambda rt: rt.config == config, _frame_calls)
+        self._superseded = Supersession(lineage, others, lambda rt: rt.config == config, _frame_calls)
+        for other in others:  # a deleted model's frame is never called again: its graphs go now (release_dead)
+            if other.dead and not other.in_call():
+                other.release_dead()
         self.driver: Driver = get_driver(str(config.driver), device)
         self.device = getattr(self.driver, "device", None) or torch.device(device)  # cuda: with its index
         self.memory = MemoryRegistry()
@@ -240,8 +244,14 @@ class ModelRuntime:
         that captured it, releases it at the next call, outside the garbage collector."""
         self.dead.append((runner, graph))
 
+    def in_call(self) -> bool:
+        """Is one of this frame's partitions in the middle of a call (through its full path)?"""
+        return any(runner.call is not None for runner in self.runners())
+
     def release_dead(self) -> None:
-        """Release the graphs whose parameters were freed (each by the partition that captured it)."""
+        """Release the graphs whose parameters were freed (each by the partition that captured it): at the next call
+        of one of this frame's partitions, or when another frame is compiled (a model deleted, its frame never
+        called again, as in a sweep over model sizes)."""
         dead, self.dead = self.dead, []
         for runner, graph in dead:
             if graph.alive:
