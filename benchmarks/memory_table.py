@@ -127,13 +127,14 @@ def recompiled_frame(family: str) -> Dict[str, float]:
 def print_recompiled_frames() -> None:
     print("\n(i) a frame Dynamo compiled again with dynamic sizes (runtime/local/lineage.py): HF tiny configs, fp32, "
           "sequence length 16 for 3 steps, then 12 and 20 in turn, then 16; KiB")
-    print("  " + "  ".join(f"{h:>14}" for h in ("model", "first frame", "its KiB", "released", "live graphs",
+    print("  " + "  ".join(f"{h:>14}" for h in ("model", "first frame", "its KiB", "released *", "live graphs",
                                                  "live KiB", "without release")))
     for family in ("llama", "mixtral"):
         row = recompiled_frame(family)
         cells = [family, row["first graphs"], f"{row['first bytes'] / 1024:.1f}", row["released"], row["live"],
                  f"{row['live bytes'] / 1024:.1f}", f"{(row['live bytes'] + row['first bytes']) / 1024:.1f}"]
         print("  " + "  ".join(f"{c:>14}" for c in cells))
+    print("  * stats()['graphs_released']: instances, a forward with its backward counting one")
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,8 @@ def _zero() -> Dict[str, Any]:
         "capture_seconds": 0.0,  # wall time spent in warmup-compile and capture
         "verify_max_diff": {},   # partition -> largest |captured - eager| seen (option verify)
         "capture_size_overflows": 0,  # calls whose batch exceeded the largest capture size (ran eagerly)
-        "graphs_released": 0,    # graphs the bank policy released (not replayed within its window)
+        "graphs_released": 0,    # graph instances released, a forward with its backward counting one (bank policy,
+        #                          freed parameters, a frame a recompile superseded)
         "bank_stops": [],        # {"partition", "reason"}: partitions that stopped capturing (sizes, re-capture storm)
         "benefit": {},           # partition -> its measured times and saving (option measure_benefit)
         "padding_withdrawn": [],  # {"partition", "reason"}: a padded partition fell back; its frame runs unpadded

@@ -81,7 +81,7 @@ def test_a_static_frame_recompiled_with_dynamic_sizes_releases_its_graphs_and_tr
         torch.testing.assert_close(p_c, p_e, rtol=1e-5, atol=1e-6)
     frames = graphs_by_frame()
     assert frames[False] == [] and all(not g.alive for g in static_graphs)  # the static frame's graphs went
-    assert cgcompile.stats()["graphs_released"] == 2
+    assert cgcompile.stats()["graphs_released"] == 1  # the forward instance, with its backward
     # the dynamic frame serves every size, batch 4 too (a graph of its own), and replays its graphs
     assert sorted(g.kind for g in frames[True]) == ["backward"] * 3 + ["forward"] * 3
     assert all(g.replays > 1 for g in frames[True] if g.kind == "forward"), [g.replays for g in frames[True]]

@@ -267,7 +267,7 @@ class ModelRuntime:
                 continue
             nbytes = releases.held_bytes([memory_of(g) for g in graphs])
             old.release()
-            count("graphs_released", len(graphs))
+            count("graphs_released", sum(g.kind != "backward" for g in graphs))  # each with its backward, as a release
             log.info("cgcompile: %s was compiled again with dynamic sizes as %s, which Dynamo now calls for its sizes "
                      "too: released its %d graph(s), %.1f KiB returned (a later call of it captures anew)",
                      _frame_name(old), _frame_name(self), len(graphs), nbytes / 1024)
