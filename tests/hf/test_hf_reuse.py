@@ -88,7 +88,7 @@ def test_llama_with_new_sequence_lengths_releases_the_static_frames_graphs_and_t
     """A new sequence length makes Dynamo compile the forward again with the length symbolic; the frame made for the
     first length is never called again, and its graphs go once the new frame has captured (lineage.py)."""
     torch._dynamo.reset()
-    model = build("llama")
+    model = build("llama", layers=1)
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="cudagraph_modules", options={**OPTIONS, "cuda_graph_warmup_steps": 1})
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
