@@ -1,7 +1,8 @@
 """Graphs that are reused, not just captured (issue 27), on the loops that used to defeat reuse: an eager island's
 autograd context keeping a partition output, a graph break in every layer, sizes that cycle under a small cap,
 declared capture sizes; and the per-layer policy state (warmup per parameter set, graphs of freed parameters
-released at once, a deleted model's when the next frame compiles). "Reuse" counts steady replays: a graph run again after the call that captured it."""
+released at once, a deleted model's when the next frame compiles). "Reuse" counts steady replays: a graph run
+again after the call that captured it."""
 
 from __future__ import annotations
 

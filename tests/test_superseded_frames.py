@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+
 import pytest
 import torch
 import torch.nn as nn
@@ -61,6 +62,11 @@ def graphs_by_frame() -> dict:
     return {rt.lineage.dynamic: rt.live_graphs() for rt in runtimes}
 
 
+def graphs_of_the_one_frame() -> list:
+    (runtime,) = frames()
+    return runtime.live_graphs()
+
+
 def test_a_static_frame_recompiled_with_dynamic_sizes_releases_its_graphs_and_training_matches_eager(caplog):
     eager_model = mlp()
     model = copy.deepcopy(eager_model)
@@ -71,29 +77,23 @@ def test_a_static_frame_recompiled_with_dynamic_sizes_releases_its_graphs_and_tr
     with caplog.at_level(logging.INFO, logger="cgcompile"):
         for i, rows in enumerate(sizes):
             if i == 6:
-                static_graphs = graphs_by_frame_of_one()
+                static_graphs = graphs_of_the_one_frame()
                 assert [g.kind for g in static_graphs] == ["forward", "backward"]
                 assert all(g.replays > 1 for g in static_graphs)  # replayed at batch 4 before the change
-                held = cgcompile.stats()["graphs"]  # what they hold
+                held = cgcompile.stats()["graph_bytes"]  # what they hold
             x = batch(rows, i)
             assert train_step(compiled, opt_c, x) == pytest.approx(train_step(eager_model, opt_e, x), rel=1e-5)
     for p_c, p_e in zip(model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(p_c, p_e, rtol=1e-5, atol=1e-6)
-    frames = graphs_by_frame()
-    assert frames[False] == [] and all(not g.alive for g in static_graphs)  # the static frame's graphs went
+    by_dynamic = graphs_by_frame()
+    assert by_dynamic[False] == [] and all(not g.alive for g in static_graphs)  # the static frame's graphs went
     assert cgcompile.stats()["graphs_released"] == 1  # the forward instance, with its backward
     # the dynamic frame serves every size, batch 4 too (a graph of its own), and replays its graphs
-    assert sorted(g.kind for g in frames[True]) == ["backward"] * 3 + ["forward"] * 3
-    assert all(g.replays > 1 for g in frames[True] if g.kind == "forward"), [g.replays for g in frames[True]]
+    assert sorted(g.kind for g in by_dynamic[True]) == ["backward"] * 3 + ["forward"] * 3
+    assert all(g.replays > 1 for g in by_dynamic[True] if g.kind == "forward"), [g.replays for g in by_dynamic[True]]
     released = [r.getMessage() for r in caplog.records if "compiled again with dynamic sizes" in r.getMessage()]
     assert len(released) == 1 and "released its 2 graph(s)" in released[0], released
-    kib = sum(g["pool_bytes"] + g["static_input_bytes"] + g["static_output_bytes"] for g in held) / 1024
-    assert f"{kib:.1f} KiB returned" in released[0], (kib, released)
-
-
-def graphs_by_frame_of_one() -> list:
-    (runtime,) = frames()
-    return runtime.live_graphs()
+    assert f"{held / 1024:.1f} KiB returned" in released[0], (held, released)
 
 
 def test_an_eval_frame_under_no_grad_leaves_the_training_frame_and_its_graphs_alone():
@@ -102,7 +102,7 @@ def test_an_eval_frame_under_no_grad_leaves_the_training_frame_and_its_graphs_al
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     for i in range(4):
         train_step(compiled, optimizer, batch(4, i))
-    (training,) = graphs_by_frame_of_one()[:1]
+    training = graphs_of_the_one_frame()[0]
     replays = training.replays
     with torch.no_grad():
         for i in range(6):  # another grad mode and another size: a frame of its own, replaying

@@ -97,7 +97,7 @@ def test_llama_with_new_sequence_lengths_releases_the_static_frames_graphs_and_t
     loss_diff, first_frame = 0.0, None
     for step, length in enumerate([16] * 3 + [12, 20] * 4 + [16] * 4):
         if step == 3:  # before the first new length: the first frame's graphs, replayed
-            first_frame = [g for g in cgcompile.stats()["graphs"]]
+            first_frame = cgcompile.stats()["graphs"]
             assert first_frame and all(g["steady_replays"] > 0 for g in first_frame), first_frame
         ids = torch.randint(0, 64, (2, length), generator=generator)
         loss, ref = compiled(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss
