@@ -23,6 +23,7 @@ class Reason(ChoiceEnum):
     CUDAGRAPH_UNSAFE = "cudagraph_unsafe"
     INPUT_MUTATION = "input_mutation"
     SCALAR_INPUT = "scalar_input"
+    HOST_TENSOR = "host_tensor"
     # decided by the planner (planner.py): capture-safe, but the config or the region leaves it eager
     EAGER_REGION = "eager_region"
     NOT_SELECTED = "not_selected"

@@ -16,6 +16,7 @@ from .common import (compute_nodes, input_description, is_static_placeholder, no
 from .custom_ops import find_cudagraph_unsafe_ops
 from .dtensor import find_data_dependent_redistributions
 from .dynamic_shapes import find_data_dependent_shapes
+from .host_tensors import find_host_tensor_reads
 from .mutation import find_input_mutations
 from .regions import RegionInfo, module_regions
 from .scalar_inputs import find_scalar_input_reads
@@ -31,6 +32,7 @@ PASSES: List[Callable[[fx.GraphModule], Dict[fx.Node, List[Finding]]]] = [
     find_data_dependent_collectives,
     find_data_dependent_redistributions,
     find_host_syncs,
+    find_host_tensor_reads,
     find_cudagraph_unsafe_ops,
     find_input_mutations,
     find_data_dependent_shapes,

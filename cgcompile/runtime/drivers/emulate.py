@@ -24,8 +24,9 @@ enforces and this driver does not model ships untested. What it models:
   compiled graph, or autograd's check of a saved tensor would miss the write.
 - Higher-order operators (activation checkpointing's run_and_save_rng_state) pass through every check.
 Not modelled: timing and streams; memory use (no pool sizes); host syncs inside compiled kernels (C++ of an
-Inductor-compiled graph); which tensors live on the host rather than the device (every tensor is the device's:
-a 0-dim CPU operand a CUDA kernel would read at launch cannot be told apart); writes inside a higher-order op.
+Inductor-compiled graph); which tensors live on the host rather than the device (every tensor is the device's
+here; on an accelerator the plan keeps every read of a host tensor input eager, passes/host_tensors.py, tested on
+the meta device); writes inside a higher-order op.
 RNG: capture leaves every generator as it found it, and each replay draws from the CPU default generator as the
 eager call would have (the same numbers, in the same order).
 """
