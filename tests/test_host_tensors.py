@@ -10,6 +10,7 @@ twin, which replays with a new value at every call, is tests/gpu/test_gpu_host_t
 import re
 
 import expecttest
+import pytest
 import torch
 import torch.nn as nn
 
@@ -67,3 +68,28 @@ reads `doubled` from operator.mul (created at host_cases.py:17), a host tensor c
 
         (gm,) = graphs_of(fn, torch.empty(3, device="meta"))
         assert analyze(gm) == {}
+
+    def test_a_host_tensor_made_from_constants_and_copied_to_the_device_is_a_host_sync(self):
+        def fn(x):
+            positions = torch.arange(3) * 2  # on the host: the same values at every call
+            return x + positions.to(x.device)  # a copy from pageable memory: a capture rejects it
+
+        (gm,) = graphs_of(fn, torch.empty(3, device="meta"))
+        [(node, (found,))] = analyze(gm).items()
+        assert (node.target, found.category, found.op) == ("to", "host_sync", "Tensor.to")
+        self.assertExpectedInline(found.detail, """copies `positions` from operator.mul (created at test_host_tensors.py:74), a tensor in host memory, to the device: a copy from pageable host memory waits for the host, which a capture cannot hold""")
+
+    def test_a_host_tensor_brought_from_the_device_is_read_eagerly_too(self):
+        def fn(x, y):
+            peak = x.max().cpu()  # a sync (host_sync), and a host value that changes at every call
+            return y * peak
+
+        graphs = []
+        with pytest.raises(NotImplementedError, match="no data"):  # the graph runs: meta tensors have no data
+            torch.compile(fn, backend=lambda gm, _: graphs.append(gm) or gm.forward)(
+                torch.empty(3, device="meta"), torch.empty(3, device="meta"))
+        (gm,) = graphs
+        found = {node.name: [(f.category, f.op) for f in fs] for node, fs in analyze(gm).items()}
+        assert found == {"peak": [("host_sync", "Tensor.cpu")], "mul": [("host_tensor", "operator.mul")]}
+        (mul,) = [f for node, fs in analyze(gm).items() for f in fs if f.category == "host_tensor"]
+        self.assertExpectedInline(mul.detail, """reads `peak` from Tensor.cpu (created at test_host_tensors.py:84), a host tensor made at each call, on a graph that runs on the device: a CUDA graph replays no host work, and its kernels keep a host operand's value from the capture""")
