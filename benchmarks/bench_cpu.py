@@ -266,6 +266,7 @@ def print_hf(results: dict) -> None:
 def print_replay_cost(quick: bool) -> None:
     """Table (g): host time per replay vs a minimal wrapper, its growth with depth, reuse on the issue-27 loops."""
     import replay_cost
+    import reuse_loops
 
     calls, repeats = (60, 3) if quick else (2000, 7)
     from cgcompile import _compat
@@ -288,7 +289,7 @@ def print_replay_cost(quick: bool) -> None:
     print("  fixed-address check of 118 parameters, per way available here: " +
           ", ".join(f"{impl} {seconds * 1e6:.2f} us" for impl, seconds in checks.items()))
     print("(g) reuse on the loops of issue 27 (reuse: replays per call after the capture step)")
-    for name, row, goal, met in replay_cost.reuse_rows(quick):
+    for name, row, goal, met in reuse_loops.reuse_rows(quick):
         print(f"  {name}: captured {row['captured']}, live {row['live']}, released {row['released']}, stops "
               f"{row['stops']}, eager fallbacks {row['fallbacks']}, reuse {row['reuse']:.2f}; goal: {goal}  "
               f"{'PASS' if met else 'MISS'}")
