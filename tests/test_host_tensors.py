@@ -64,7 +64,8 @@ reads `doubled` from operator.mul (created at host_cases.py:17), a host tensor c
 
     def test_a_host_tensor_the_code_makes_from_constants_is_no_host_read(self):
         def fn(x):
-            return x * torch.tensor(2.0) + torch.tensor(1.0) * 3  # the same values at every call
+            y = x * torch.tensor(2.0) + torch.tensor(1.0) * 3  # the same values at every call
+            return y.to(torch.tensor(1, dtype=torch.float16).dtype)  # reads the host tensor's dtype only
 
         (gm,) = graphs_of(fn, torch.empty(3, device="meta"))
         assert analyze(gm) == {}
@@ -77,7 +78,7 @@ reads `doubled` from operator.mul (created at host_cases.py:17), a host tensor c
         (gm,) = graphs_of(fn, torch.empty(3, device="meta"))
         [(node, (found,))] = analyze(gm).items()
         assert (node.target, found.category, found.op) == ("to", "host_sync", "Tensor.to")
-        self.assertExpectedInline(found.detail, """copies `positions` from operator.mul (created at test_host_tensors.py:74), a tensor in host memory, to the device: a copy from pageable host memory waits for the host, which a capture cannot hold""")
+        self.assertExpectedInline(found.detail, """copies `positions` from operator.mul (created at test_host_tensors.py:75), a tensor in host memory, to the device: a copy from pageable host memory waits for the host, which a capture cannot hold""")
 
     def test_a_host_tensor_brought_from_the_device_is_read_eagerly_too(self):
         def fn(x, y):
@@ -92,4 +93,4 @@ reads `doubled` from operator.mul (created at host_cases.py:17), a host tensor c
         found = {node.name: [(f.category, f.op) for f in fs] for node, fs in analyze(gm).items()}
         assert found == {"peak": [("host_sync", "Tensor.cpu")], "mul": [("host_tensor", "operator.mul")]}
         (mul,) = [f for node, fs in analyze(gm).items() for f in fs if f.category == "host_tensor"]
-        self.assertExpectedInline(mul.detail, """reads `peak` from Tensor.cpu (created at test_host_tensors.py:84), a host tensor made at each call, on a graph that runs on the device: a CUDA graph replays no host work, and its kernels keep a host operand's value from the capture""")
+        self.assertExpectedInline(mul.detail, """reads `peak` from Tensor.cpu (created at test_host_tensors.py:85), a host tensor made at each call, on a graph that runs on the device: a CUDA graph replays no host work, and its kernels keep a host operand's value from the capture""")

@@ -33,7 +33,7 @@ __all__ = ["find_host_tensor_reads"]
 HINT = ("move the tensor to the model's device before the call (`t.to(device)`), or pass a Python number; "
         "a CUDA graph keeps the value a host tensor had at capture")
 COPY_HINT = "create the tensor on the device (`torch.arange(n, device=x.device)`)"
-_MOVES = frozenset({"to", "cuda", "copy_", "type_as"})
+_MOVES = frozenset({"to", "cuda", "copy_"})
 _MOVE_FUNCTIONS = frozenset({torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.copy_, torch.ops.aten._to_copy.default,
                              torch.ops.aten.copy_.default, torch.ops.aten.copy.default})
 # reads of a tensor's metadata, not of its values
@@ -117,6 +117,7 @@ def find_host_tensor_reads(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
                 f"copies {input_description(constant)}, a tensor in host memory, to the device: a copy from "
                 f"pageable host memory waits for the host, which a capture cannot hold"))]
     return found
+
 
 def _described(read: fx.Node, source: fx.Node) -> str:
     if read is source:
