@@ -73,11 +73,12 @@ reads `doubled` from operator.mul (created at host_cases.py:17), a host tensor c
     def test_a_host_tensor_made_from_constants_and_copied_to_the_device_is_a_host_sync(self):
         def fn(x):
             positions = torch.arange(3) * 2  # on the host: the same values at every call
-            return x + positions.to(x.device)  # a copy from pageable memory: a capture rejects it
+            return x + positions.to(x.device) + torch.tensor(1.0).type_as(x)  # copies from pageable memory
 
         (gm,) = graphs_of(fn, torch.empty(3, device="meta"))
-        [(node, (found,))] = analyze(gm).items()
+        (node, (found,)), (moved, (also,)) = analyze(gm).items()
         assert (node.target, found.category, found.op) == ("to", "host_sync", "Tensor.to")
+        assert (moved.target, also.category) == ("type_as", "host_sync")
         self.assertExpectedInline(found.detail, """copies `positions` from operator.mul (created at test_host_tensors.py:75), a tensor in host memory, to the device: a copy from pageable host memory waits for the host, which a capture cannot hold""")
 
     def test_a_host_tensor_brought_from_the_device_is_read_eagerly_too(self):
@@ -93,4 +94,4 @@ reads `doubled` from operator.mul (created at host_cases.py:17), a host tensor c
         found = {node.name: [(f.category, f.op) for f in fs] for node, fs in analyze(gm).items()}
         assert found == {"peak": [("host_sync", "Tensor.cpu")], "mul": [("host_tensor", "operator.mul")]}
         (mul,) = [f for node, fs in analyze(gm).items() for f in fs if f.category == "host_tensor"]
-        self.assertExpectedInline(mul.detail, """reads `peak` from Tensor.cpu (created at test_host_tensors.py:85), a host tensor made at each call, on a graph that runs on the device: a CUDA graph replays no host work, and its kernels keep a host operand's value from the capture""")
+        self.assertExpectedInline(mul.detail, """reads `peak` from Tensor.cpu (created at test_host_tensors.py:86), a host tensor made at each call, on a graph that runs on the device: a CUDA graph replays no host work, and its kernels keep a host operand's value from the capture""")

@@ -81,7 +81,10 @@ def _copies_to_device(node: fx.Node, operand: fx.Node) -> bool:
     if not _holds_device_tensor(example_value(node)):
         return False
     value = example_value(operand)
-    moves = node.target in _MOVES if node.op == "call_method" else node.target in _MOVE_FUNCTIONS
+    if node.op == "call_method":  # `host.type_as(device_tensor)` moves the host tensor; the reverse reads a dtype
+        moves = node.target in _MOVES or (node.target == "type_as" and bool(node.args) and node.args[0] is operand)
+    else:
+        moves = node.target in _MOVE_FUNCTIONS
     return moves or not (isinstance(value, torch.Tensor) and value.dim() == 0)
 
 
