@@ -81,7 +81,7 @@ def _copies_to_device(node: fx.Node, operand: fx.Node) -> bool:
     if not _holds_device_tensor(example_value(node)):
         return False
     value = example_value(operand)
-    if node.op == "call_method":  # `host.type_as(device_tensor)` moves the host tensor; the reverse reads a dtype
+    if node.op == "call_method":  # `host.type_as(device_tensor)` copies the host tensor to the device
         moves = node.target in _MOVES or (node.target == "type_as" and bool(node.args) and node.args[0] is operand)
     else:
         moves = node.target in _MOVE_FUNCTIONS
