@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Set
 import torch
 import torch.fx as fx
 
+from .. import _compat
 from ..devices import device_of
 from ..reasons import Finding, Reason
 from .common import compute_nodes, example_value, finding, input_description, is_scalar_input_read
@@ -41,20 +42,17 @@ _METADATA_METHODS = frozenset({"size", "dim", "stride", "numel", "element_size",
 _METADATA_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout"})
 
 
+def _device_types(value: Any) -> Set[str]:
+    """The device types of the tensors in a node's value (a tensor, or a tuple or list of them)."""
+    return {t.device.type for t in _compat.tree_flatten(value)[0] if isinstance(t, torch.Tensor)}
+
+
 def _holds_host_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.device.type == "cpu"
-    if isinstance(value, (list, tuple)):
-        return any(_holds_host_tensor(v) for v in value)
-    return False
+    return "cpu" in _device_types(value)
 
 
 def _holds_device_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.device.type != "cpu"
-    if isinstance(value, (list, tuple)):
-        return any(_holds_device_tensor(v) for v in value)
-    return False
+    return bool(_device_types(value) - {"cpu"})
 
 
 def _reads_metadata_only(node: fx.Node) -> bool:
