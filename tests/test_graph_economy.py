@@ -241,3 +241,32 @@ def test_stats_lists_the_partitions_in_the_order_their_frames_were_compiled():
     for rows in (st["partitions"], st["graphs"]):
         frames = [int(row["partition"].split()[1]) for row in rows]
         assert len(set(frames)) == 4 and frames == sorted(frames), frames
+
+
+def test_zero_grad_between_forward_and_backward_costs_one_eager_step_not_one_per_partition():
+    """A GAN generator's step in the DCGAN tutorial's order: forward, zero_grad, backward. The grads the backward
+    graphs handed out as .grad are then still alive at the next forward, so the graphs read by them must not
+    replay. Every backward graph holding such grads learns it at the first forward that finds one held (its grads
+    copied from then on): one eager step for all five partitions, where each partition learned it at a step of
+    its own before (10 steps: 5 of them eager)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    reference = copy.deepcopy(model)
+    cgcompile.reset_stats()
+    torch._dynamo.reset()
+    gc.collect()
+    run = torch.compile(model, backend="cudagraph_modules", options={**OPTIONS, "min_partition_ops": 1})
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (model, reference)]
+    for step in range(10):
+        z = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))
+        for fn, opt in ((run, opts[0]), (reference, opts[1])):
+            fake = fn(z)
+            opt.zero_grad(set_to_none=True)
+            fake.square().mean().backward()
+            opt.step()
+        for a, b in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    partitions = cgcompile.stats()["partitions"]
+    # each: the warmup call, the capture call, the one step that learned the grads were kept; 7 replays after
+    assert [(p["misses"], p["replays"]) for p in partitions] == [(3, 7)] * 5, partitions

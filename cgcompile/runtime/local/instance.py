@@ -113,7 +113,8 @@ class GraphInstance:
         self.replays = 0
         self.bw: Optional[GraphInstance] = None  # a forward instance's backward graph
         self.pending_backward = False  # forward: replayed, its backward not run yet
-        self.in_backward_pass = False  # backward: handed out its static outputs in the backward pass running now
+        self.in_backward_pass = False  # backward: handed out aliases of its memory in the backward pass running now
+        self.pass_aliases: List[Any] = []  # backward: those aliases, referenced by us until that pass ends
         self.cleared_streak = 0  # backward: replays in a row that found the parameters' grads cleared
         self.grads_kept = False  # backward: a grad it handed out as .grad was kept past its step: copies for good
         self.param_refs: Dict[int, weakref.ref] = {}  # the caller's parameter objects: moved, or freed?
@@ -231,17 +232,21 @@ class GraphInstance:
         return set(self.claim.alive_aliases()) | {
             j for j, out in enumerate(outputs) if isinstance(out, torch.Tensor) and storage_ptr(out) in storages}
 
-    def _held_until_backward_ends(self) -> None:
-        """A backward graph handed out its static tensors themselves, whose users no claim can see (the next
-        backward node reads them, AccumulateGrad copies them): they are in use until the backward pass ends."""
+    def _held_until_backward_ends(self, aliases: List[Any]) -> None:
+        """A backward graph handed out aliases of its memory in the backward pass running now, which we reference
+        until it ends: AccumulateGrad steals a grad only when nobody else references it, so it copies these into
+        .grad; whatever else keeps one (`torch.autograd.grad`'s result, a hook that stores its grad) holds the
+        memory through its storage's use count from then on, which the next replay's check sees."""
         me = weakref.ref(self)
 
         def ended() -> None:
             graph = me()
             if graph is not None:
                 graph.in_backward_pass = False
+                graph.pass_aliases = []
 
         self.in_backward_pass = True
+        self.pass_aliases = aliases
         _compat.at_backward_end(ended)
 
     def replay_plain(self, args: Sequence[Any], copy_out: bool = False) -> List[Any]:
@@ -264,8 +269,8 @@ class GraphInstance:
 
     def replay(self, args: Sequence[Any], alias: bool, copied_outputs: Set[int] = frozenset()) -> List[Any]:
         """Run the graph for `args`: outputs handed out as aliases (or, at positions in `copied_outputs`, as
-        copies), or
-        as the static tensors themselves when not `alias` (a backward's grads that AccumulateGrad clones).
+        copies); when not `alias` (a backward's grads that AccumulateGrad is to copy), as aliases we reference
+        until the backward pass ends.
         Every replay runs this: each step is one that a replay needs."""
         grad = torch.is_grad_enabled()
         if grad:  # copies into our buffers and the aliases handed out carry no autograd history
@@ -300,11 +305,12 @@ class GraphInstance:
                         handed[j] = None if j in copied_outputs else outputs[j]
                 tag_handout(handed, self, self.family.marker)
                 self.claim.hand_out(handed)
-            else:
-                outputs = [o.clone() if j in copied_outputs else o for j, o in enumerate(static)] if copied_outputs \
-                    else list(static)  # copies: grads kept past their step that a DTensor wrapper made .grad
+            else:  # copies: grads kept past their step (that a DTensor wrapper made .grad, that the caller kept)
+                outputs = list(static)
+                for j in self.tensor_outputs:
+                    outputs[j] = outputs[j].clone() if j in copied_outputs else outputs[j].detach()
                 self.claim.replayed()
-                self._held_until_backward_ends()
+                self._held_until_backward_ends(outputs)
         finally:
             if grad:
                 _compat.set_grad_enabled(True)

@@ -274,8 +274,9 @@ class PartitionRunner:
             record("eager_fallbacks", self.name, reason, once=True)
             self._log_once(reason, logging.WARNING, "cgcompile: %s: %s", self.describe(), reason)
         if lesson == "grads kept":
-            self._log_once(lesson, logging.INFO, "cgcompile: %s: a gradient its backward graph handed out as .grad "
-                           "was kept past its step (e.g. `g = p.grad` in a logging loop): this call runs eagerly, "
+            self._log_once(lesson, logging.INFO, "cgcompile: %s: a gradient its backward graph handed out was kept "
+                           "past its step (e.g. `g = p.grad` in a logging loop, or a result of torch.autograd.grad): "
+                           "this call runs eagerly, "
                            "and that backward graph hands out copies from now on", self.describe())
 
     def copies_outputs(self, kind: str, positions: List[int]) -> None:
