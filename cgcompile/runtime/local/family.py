@@ -93,10 +93,11 @@ _LESSON_RUN = object()  # the source of a lesson's eager outputs (GraphFamily._f
 # them runs eagerly too, rather than capture an instance for an address it will not see again
 
 
-def _stop_stealing_held(runtime: Any) -> None:
-    """A loop that keeps the grads one backward graph stole as .grad past the next forward (zero_grad after the
-    forward, as a GAN's generator step does) keeps every layer's: each backward graph whose stolen grads are held
-    now learns it at once, rather than one eager step per partition."""
+def _stop_stealing(kept: GraphInstance, runtime: Any) -> None:
+    """`kept`'s grads were kept past their step. A loop that keeps the grads one backward graph stole as .grad
+    into the next forward (zero_grad after the forward, as a GAN's generator step does) keeps every layer's: each
+    backward graph whose stolen grads are held now learns it at once, rather than one eager step per partition."""
+    kept.stop_stealing()
     for graph in runtime.live_graphs():
         if graph.kind == "backward" and graph.steal and not graph.in_backward_pass and graph.claim.held():
             graph.stop_stealing()
@@ -244,8 +245,7 @@ class GraphFamily:
             elif blocker.kind == "backward":
                 # (a grad autograd still reads in its backward pass, e.g. in a checkpoint's recompute, is not kept)
                 if (not blocker.in_backward_pass and blocker.family.learn_held(blocker)) or blocker.steal:
-                    blocker.stop_stealing()
-                    _stop_stealing_held(self.part.runtime)
+                    _stop_stealing(blocker, self.part.runtime)
                     lesson = "grads kept"
             elif blocker.family.learn_held(blocker):  # a graph held after this one: a holder its family learns
                 lesson = "outputs kept"

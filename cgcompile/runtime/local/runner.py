@@ -275,9 +275,8 @@ class PartitionRunner:
             self._log_once(reason, logging.WARNING, "cgcompile: %s: %s", self.describe(), reason)
         if lesson == "grads kept":
             self._log_once(lesson, logging.INFO, "cgcompile: %s: a gradient its backward graph handed out was kept "
-                           "past its step (e.g. `g = p.grad` in a logging loop, or a result of torch.autograd.grad): "
-                           "this call runs eagerly, "
-                           "and that backward graph hands out copies from now on", self.describe())
+                           "past its step (`g = p.grad` in a logger, torch.autograd.grad's result): this call runs "
+                           "eagerly, and that backward graph hands out copies from now on", self.describe())
 
     def copies_outputs(self, kind: str, positions: List[int]) -> None:
         """A graph family hands these output positions out as copies from now on: logged once per family kind."""
