@@ -332,7 +332,9 @@ def test_backwards_in_either_order_find_their_instances_by_one_tagged_alias():
             loss.backward()
         for a, b in zip(model.parameters(), ref.parameters()):
             assert_close(a.grad, b.grad)
-    assert stats()["graphs_captured"] == 6
+    # 3 instances, forward and backward; the two backward graphs captured before the third forward, which is held
+    # whenever they replay in the reversed order, captured again after it (the pool rule)
+    assert stats()["graphs_captured"] == 8
     assert len(forwards) == 3 and all(len(flags) > 2 for flags in tagged)  # output, saved activations
     assert [sum(flags) for flags in tagged] == [1, 1, 1]
     backwards = graphs_of(p, "backward")

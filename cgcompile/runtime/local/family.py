@@ -1,6 +1,6 @@
-"""The graphs of one partition's input signature: a `BankEntry` (one aot_autograd compilation per graph-bank key)
-and its `GraphFamily`s (the captured instances of one aot graph, forward, backward or inference: which instance
-a call replays, when a new one is captured, the eager warmup before, which outputs are handed out as copies).
+"""The captured instances of one aot graph of a partition's input signature (a `BankEntry`, bank_entry.py): a
+`GraphFamily`, forward or inference (backward: backward_family.py): which instance a call replays, when a new one
+is captured, the eager warmup before, which outputs are handed out as copies.
 
 aot_autograd splits the partition into functional aten forward and backward graphs; its runtime wrappers keep
 doing input mutation copy-back and output aliasing, while our compilers wrap each graph in a GraphFamily that
@@ -27,23 +27,15 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
-import torch.fx as fx
 
 from ... import _compat
-from ...passes.collectives import collective_counts
 from ..memory.arena import OutputLayout, output_layouts
-from ..drivers.thread_state import preserved_global_state
-from ...passes.mutation import mutated_inputs
-from ...rewrites.input_writes import write_inputs_in_place
-from ...rewrites.intermediate_writes import write_intermediates_in_place
-from ..tensors import at_positions
 from .budget import refuses_capture
 from .instance import GraphInstance, capture_instance
 from .sources import source_of, tag
 from .staleness import in_place_moved, moved
-from .traced_strides import keep_traced_strides
 
-__all__ = ["BackwardFamily", "BankEntry", "GraphFamily"]
+__all__ = ["EagerHandout", "GraphFamily", "forward_call_of"]
 
 log = logging.getLogger("cgcompile")
 
@@ -112,7 +104,7 @@ def _lesson_outputs(out: Any, args: Sequence[Any]) -> Any:
     return out
 
 
-def _source_of(args: Sequence[Any], family: Optional["GraphFamily"]) -> Any:
+def forward_call_of(args: Sequence[Any], family: Optional["GraphFamily"]) -> Any:
     """The forward call of `family` (a GraphInstance or an EagerHandout) whose outputs these backward arguments
     are (others may carry the forward calls of the partitions before it: its saved inputs). Once the family knows
     which outputs its backward reads, a replay tags one of them (GraphFamily.marker), not every output."""
@@ -124,9 +116,9 @@ def _source_of(args: Sequence[Any], family: Optional["GraphFamily"]) -> Any:
 
 
 class GraphFamily:
-    """The captured instances of one aot graph (forward, backward or inference) of one bank entry."""
+    """The captured instances of one aot graph (forward or inference; backward: BackwardFamily) of a BankEntry."""
 
-    def __init__(self, entry: "BankEntry", kind: str, run: Callable[[list], Any], mutated: frozenset,
+    def __init__(self, entry: Any, kind: str, run: Callable[[list], Any], mutated: frozenset,
                  collectives: Optional[Dict[str, int]] = None):
         self.entry, self.part, self.kind = entry, entry.part, kind
         self.run = run  # the uncaptured graph (aot graph, or Inductor's compiled version)
@@ -136,7 +128,7 @@ class GraphFamily:
         self.layouts: Optional[List[OutputLayout]] = None  # its outputs' layouts, seen in an eager run (arenas)
         self.copied_outputs: Set[int] = set()  # output positions callers keep beyond their step: handed out as copies
         self.saved: Set[int] = set()  # forward output positions the backward reads (autograd's saved tensors)
-        self.marker: Optional[int] = None  # one of them: a replay tags only its alias with the instance (_source_of)
+        self.marker: Optional[int] = None  # one of them: the one alias a replay tags (forward_call_of)
         self.moving: Set[int] = set()  # written inputs seen at other addresses: copied in and back
         self._eager: Dict[int, EagerHandout] = {}  # per parameter set, its last warmup run
         self._warmed: Set[int] = set()  # parameter sets this graph ran for on the driver's warmup stream
@@ -383,108 +375,3 @@ class GraphFamily:
         for graph in self.all_instances():
             if graph.bw is bw:
                 graph.attach_backward(None)
-
-
-class BackwardFamily(GraphFamily):
-    """The backward graphs of one bank entry: each belongs to one forward instance (captured at its first
-    backward, replayed with it), found from the saved tensors autograd hands the backward."""
-
-    def __call__(self, args: list) -> Any:
-        part = self.part
-        if part.broken is not None or not part.driver.captures:
-            return self.run(args)
-        forward = self.entry.forward
-        source = _source_of(args, forward)
-        if isinstance(source, EagerHandout):
-            source.backward_ran()
-            return self._run_warming(source.param_set, args)
-        instance = source if source is not None else forward.owner_of(args) if forward is not None else None
-        handout = forward.pending_eager_run() if instance is None and forward is not None else None
-        if handout is not None:
-            handout.backward_ran()
-            return self._run_warming(handout.param_set, args)
-        if instance is None or not instance.alive:
-            return self.run_eagerly(args)  # its forward ran eagerly (cap, fallback) or was released
-        instance.backward_ran()
-        forward.note_saved(instance, args)
-        runtime = self.part.runtime
-        if instance.bw is None:
-            try:
-                instance.attach_backward(self._capture(instance.param_set, args, instance.param_storages, instance))
-            except Exception as exc:
-                self.part.fail(f"capturing its backward graph failed: {type(exc).__name__}: {exc}")
-                return self.run(args)
-            runtime.captured_within_budget(self.part)
-            if self.part.broken is not None:  # past the budget: its graphs are released, this backward runs eagerly
-                return self.run(args)
-        elif not instance.bw.addresses_match(args) or instance.bw.replay_blocker(runtime.memory.pool_blocker):
-            return self.run(args)  # e.g. a second backward through the same forward (retain_graph)
-        bw = instance.bw
-        bw.note_grads(self._grads_cleared(instance))
-        # An arena's memory is shared with other sizes: hand out aliases, whose lives the arena can see (autograd
-        # may hold a returned grad in an input buffer until another size's backward has run).
-        out = self.part.benefit.replay(bw, args, bw.steal or bw.arena is not None, self.copied_outputs)
-        runtime.mark_in_flight(bw)
-        return out
-
-    @staticmethod
-    def _grads_cleared(instance: GraphInstance) -> bool:
-        """Are the grads of the parameters this instance reads unset, as after zero_grad(set_to_none=True)?
-        Checked before the backward replays, i.e. before AccumulateGrad runs for them."""
-        params = [ref() for ref in instance.param_refs.values()]
-        return all(p is None or p.grad is None for p in params)
-
-
-# --- one input signature of a partition ----------------------------------------------------------------------
-
-
-class BankEntry:
-    """One aot_autograd compilation of a partition (one graph-bank key) and its forward/backward/inference
-    graph families (which aot creates through our compilers)."""
-
-    def __init__(self, part: Any, args: Sequence[Any]):
-        self.part = part
-        self.forward: Optional[GraphFamily] = None
-        self.backward: Optional[GraphFamily] = None
-        self.inference: Optional[GraphFamily] = None
-        self.bumps: Optional[tuple] = None  # inference graph aot's wrapper only calls: positions whose versions it bumps
-        self.bumped: Optional[Callable[[Sequence[Any]], tuple]] = None  # those arguments of a call
-        self.batch = part.arenas.batch_of(args)  # capture_sizes: the (padded) batch of this signature
-        with preserved_global_state():  # tracing runs the partition's grad-mode/vmap switches for real
-            self.fn = _compat.aot_compile(part.traced, args, self._family,
-                                          inductor=part.inductor)
-
-    def _family(self, kind: str, run: Callable[[list], Any], gm: fx.GraphModule,
-                direct: Optional[tuple]) -> Callable[[list], Any]:
-        """Called by aot for each graph it compiles: the GraphFamily aot runs instead of it."""
-        if kind == "inference":
-            self.bumps = direct
-            if direct:  # the arguments whose versions a call bumps, in one C call
-                self.bumped = at_positions(direct)
-        inductor = self.part.inductor  # it reinplaces writes, lays out its buffers
-        if not inductor:
-            write_inputs_in_place(gm)  # `run` calls gm: a buffer's write in place, not three copies of the buffer
-            write_intermediates_in_place(gm)  # and an intermediate's: one kernel, not a copy and the write
-        mutated = mutated_inputs(gm)
-        if not inductor:
-            run = keep_traced_strides(gm, run, f"{self.part.name} {kind}")
-        elif kind == "backward":  # its kernels may write the saved tensors donated to it: undone after a capture run
-            mutated |= _compat.donated_inputs()
-        family = (BackwardFamily if kind == "backward" else GraphFamily)(self, kind, run, mutated,
-                                                                         collective_counts(gm))
-        setattr(self, kind, family)
-        return family
-
-    def run_direct(self, args: Sequence[Any]) -> List[Any]:
-        """An inference call without aot's runtime wrapper, for an inference graph it would only call (`bumps` set):
-        its per-argument work, redone on every call, skipped. The graph, then the version bumps the wrapper makes
-        for the inputs the graph writes."""
-        out = self.inference(list(args))
-        if self.bumped is not None:
-            _compat.increment_versions(self.bumped(args))
-        return out
-
-    def discard(self) -> None:
-        for family in (self.forward, self.inference):
-            if family is not None:
-                family.discard()

@@ -117,6 +117,7 @@ class GraphInstance:
         self.pass_aliases: List[Any] = []  # backward: those aliases, referenced by us until that pass ends
         self.cleared_streak = 0  # backward: replays in a row that found the parameters' grads cleared
         self.grads_kept = False  # backward: a grad it handed out as .grad was kept past its step: copies for good
+        self.moved_in_pool = False  # backward: captured again after a graph held at its replays (never again)
         self.param_refs: Dict[int, weakref.ref] = {}  # the caller's parameter objects: moved, or freed?
 
     # memory registry (runtime/memory/registry.py) -------------------------------------------------------
@@ -190,6 +191,12 @@ class GraphInstance:
         outputs are copied from now on, for good (a kept grad then holds no graph memory)."""
         self.cleared_streak = 0
         self.grads_kept = True
+
+    def replaces_in_pool(self, old: "GraphInstance") -> None:
+        """Backward: captured again, after the graph that held `old` at its replays (runtime/local/family.py). It
+        keeps what `old` learnt of the loop's grads, and is not moved again (a loop no capture order suits then
+        runs it eagerly, as before)."""
+        self.cleared_streak, self.grads_kept, self.moved_in_pool = old.cleared_streak, old.grads_kept, True
 
     @property
     def steal(self) -> bool:

@@ -44,7 +44,7 @@ from ..drivers.base import Driver
 from ..memory.arena_sizing import ArenaSizing
 from .benefit import BenefitProbe
 from .call import PartitionCall
-from .family import BankEntry
+from .bank_entry import BankEntry
 from .inputs import PartitionInputs
 from .instance import GraphInstance
 from .model_runtime import ModelRuntime
