@@ -69,7 +69,28 @@ def reuse_rows(quick: bool) -> List[Tuple[str, dict, str, bool]]:
     row = _declared_sizes()
     rows.append(("capture_sizes=[2, 4, 8], batches 1..8 (inference)", row, "exactly 3 captures",
                  row["captured"] == 3 and not row["released"]))
+    for schedule in (("1f1b",) if quick else ("gpipe", "1f1b")):
+        row = _schedule(schedule)
+        rows.append((f"{schedule} schedule, {row['micro_batches']} micro-batches, dense_gpt 2 layers", row,
+                     f"each of the {row['per_step']} graph calls a step replayed at the last 3 steps (replays: "
+                     f"{row['late_replays']}), a live graph per graph needed",
+                     row["late_replays"] == [row["per_step"]] * 3 and row["live"] == row["per_step"]))
     return rows
+
+
+def _schedule(schedule: str) -> dict:
+    """A pipeline schedule's micro-batches through one compiled model (tests/test_microbatch_schedules.py, which
+    checks every step against eager): captures, live graphs, the replays of each of the last steps."""
+    from tests.test_microbatch_schedules import SCHEDULES, replays_per_step, run_schedule
+
+    torch._dynamo.reset()
+    cgcompile.reset_stats()
+    steady = run_schedule(schedule)
+    st = cgcompile.stats()
+    return {"captured": st["graphs_captured"], "live": len(st["graphs"]), "released": st["graphs_released"],
+            "stops": len(st["bank_stops"]), "fallbacks": len(st["eager_fallbacks"]), "reuse": st["reuse"],
+            "micro_batches": len(SCHEDULES[schedule].split()) // 2, "per_step": replays_per_step(schedule),
+            "late_replays": [b - a for a, b in zip(steady[-4:], steady[-3:])]}
 
 
 def _steady_goal(name: str, row: dict) -> Tuple[str, dict, str, bool]:
