@@ -63,17 +63,17 @@ class BackwardFamily(GraphFamily):
         instance.backward_ran()
         forward.note_saved(instance, args)
         runtime, moved = self.part.runtime, None
-        if instance.bw is not None:
-            if instance.bw.addresses_match(args):
-                blocker = instance.bw.replay_blocker(runtime.memory.pool_blocker)
-            elif _lender_moved(instance.bw, args, runtime.memory):
-                blocker = instance.bw.bw  # (None) moved after the graph it reads from, as below
-            else:
-                return self.run(args)
-            if blocker is not None and (blocker is instance.bw or instance.bw.moved_in_pool):
-                return self.run(args)  # e.g. a second backward through the same forward (retain_graph)
-            if blocker is not None or not instance.bw.addresses_match(args):  # captured again after it, once
-                moved = instance.bw
+        bw = instance.bw
+        if bw is not None:
+            if bw.addresses_match(args):  # a graph captured after it held (the pool rule): moved once
+                blocker = bw.replay_blocker(runtime.memory.pool_blocker)
+                movable = blocker is not None and blocker is not bw and not bw.moved_in_pool
+            else:  # the graph it reads from in place was moved
+                blocker, movable = bw, _lender_moved(bw, args, runtime.memory)
+            if blocker is not None:
+                if not movable:  # e.g. a second backward through one forward (retain_graph)
+                    return self.run(args)
+                moved = bw  # captured again after the graph that held it, or after its lender, once
                 self.part.releaser.release([moved], _MOVED_IN_POOL)
                 if instance.bw is not None:
                     return self.run(args)

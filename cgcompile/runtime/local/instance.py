@@ -294,15 +294,7 @@ class GraphInstance:
                 args[i].copy_(self.captured.static_inputs[i])
             if self.arena is not None:
                 self.arena.replayed()
-            if alias and self.kind != "forward":  # held while an alias lives: its storage's use count tells
-                if self.all_tensors and not copied_outputs:  # the usual inference replay
-                    outputs = [out.detach() for out in static]
-                else:
-                    outputs = list(static)
-                    for j in self.tensor_outputs:
-                        outputs[j] = outputs[j].clone() if j in copied_outputs else outputs[j].detach()
-                self.claim.replayed()
-            elif alias:  # the backward finds its forward instance by a tagged alias, which outputs it saved by all
+            if alias and self.kind == "forward":  # the backward finds its instance by a tagged alias it saved
                 if self.all_tensors and not copied_outputs:  # the usual training forward
                     outputs = handed = [out.detach() for out in static]
                 else:
@@ -312,12 +304,16 @@ class GraphInstance:
                         handed[j] = None if j in copied_outputs else outputs[j]
                 tag_handout(handed, self, self.family.marker)
                 self.claim.hand_out(handed)
-            else:  # copies: grads kept past their step (that a DTensor wrapper made .grad, that the caller kept)
-                outputs = list(static)
-                for j in self.tensor_outputs:
-                    outputs[j] = outputs[j].clone() if j in copied_outputs else outputs[j].detach()
+            else:  # held while an alias lives: its storage's use count tells
+                if self.all_tensors and not copied_outputs:  # the usual inference or backward replay
+                    outputs = [out.detach() for out in static]
+                else:  # copies: outputs (or grads) kept past their step
+                    outputs = list(static)
+                    for j in self.tensor_outputs:
+                        outputs[j] = outputs[j].clone() if j in copied_outputs else outputs[j].detach()
                 self.claim.replayed()
-                self._held_until_backward_ends(outputs)
+                if not alias:  # grads for AccumulateGrad to copy: referenced by us until the backward pass ends
+                    self._held_until_backward_ends(outputs)
         finally:
             if grad:
                 _compat.set_grad_enabled(True)
