@@ -30,6 +30,7 @@ from .runtime.frame.fsdp import keeper_for
 from .runtime.local.lineage import lineage_of
 from .runtime.local.model_runtime import ModelRuntime
 from .runtime.local.compile import compile_partition
+from .runtime.local.serialized import one_call_at_a_time
 from .runtime.release import release
 from .runtime.frame.te import TEFrame, resolve_graphing_fn
 from .runtime.frame.unpadded import UnpaddedOnFallback
@@ -192,12 +193,10 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
     # nothing to add: the frame calls it itself (a function, or the compiled steady replay, which carries its runtime)
     if keeper is None and (isinstance(forward, types.FunctionType) or getattr(forward, "runtime", None) is runtime):
         run = forward
-    if getattr(run, "runtime", None) is not runtime:
-        run.runtime = runtime  # type: ignore[attr-defined]  # for tests and tools
     if graph_plan.batch_boundary is not None:
-        return BatchPadding(graph_plan.batch_boundary, run, gm.forward, config.capture_sizes,
-                            f"graph {graph_plan.index}")
-    return run
+        run = BatchPadding(graph_plan.batch_boundary, run, gm.forward, config.capture_sizes,
+                           f"graph {graph_plan.index}")
+    return one_call_at_a_time(run, runtime)  # threads sharing the model: one call at a time (its graphs' memory)
 
 
 # torch.compile wraps the backend in torch._TorchCompileWrapper, whose reset() (called by torch._dynamo.reset(),

@@ -18,8 +18,12 @@ try:  # scope.py: a ScopedFrame's scope look-up in one C call
     from . import _scope_gate as SCOPE_GATE
 except ImportError:
     SCOPE_GATE = None
+try:  # runtime/local/serialized.py: a compiled frame's calls one at a time, in one C call
+    from . import _serialized_call as SERIALIZED_CALL
+except ImportError:
+    SERIALIZED_CALL = None
 
-__all__ = ["PYTHON_HOST_PATH", "SCOPE_GATE", "STEADY_REPLAY", "compiled_host_path"]
+__all__ = ["PYTHON_HOST_PATH", "SCOPE_GATE", "SERIALIZED_CALL", "STEADY_REPLAY", "compiled_host_path"]
 
 PYTHON_HOST_PATH = "CGCOMPILE_PYTHON_HOST_PATH"
 

@@ -150,7 +150,8 @@ def test_a_steady_step_calls_the_split_graph_and_its_eager_parts_through_their_g
 def test_a_frame_captured_whole_calls_its_partition_without_the_split_graphs_forward(python_host_path):
     """Issue 36, the lean step: in block scope the split graph is one call of the one partition, and its generated
     forward only renamed, passed on and cleared the block's hundred-odd arguments: the frame now calls the
-    partition straight from its own function (split.single_call), nothing in between; and the partition, whose
+    partition straight from its own function (split.single_call), nothing in between but the lock every frame's call
+    holds (serialized.py); and the partition, whose
     result is the frame's output, hands it out copied out of graph memory itself (PartitionRunner.leaving): the
     frame's own function is that call, with no pass over its outputs after it (finish_frame_outputs)."""
     model, reference, step = decode("block", layers=3)
@@ -174,7 +175,9 @@ def test_a_frame_captured_whole_calls_its_partition_without_the_split_graphs_for
                 chain.append(code.co_name)
 
     one_profiled_step(step, model, prompt, profile)
-    assert chain == ["frame", "whole_leaving", "partition"], chain  # the scope looked up in the frame's own call
+    # the scope looked up in the frame's own call; "serialized": the frame's calls one at a time, whose compiled
+    # wrapper this Python host path stands in for (runtime/local/serialized.py)
+    assert chain == ["frame", "serialized", "whole_leaving", "partition"], chain
     assert finished == []
 
 

@@ -45,6 +45,10 @@ class BackwardFamily(GraphFamily):
     backward, replayed with it), found from the saved tensors autograd hands the backward."""
 
     def __call__(self, args: list) -> Any:
+        with self.part.runtime.calls:  # one thread's call of the frame's graphs at a time (serialized.py)
+            return self._replay_or_run(args)
+
+    def _replay_or_run(self, args: list) -> Any:
         part = self.part
         if part.broken is not None or not part.driver.captures:
             return self.run(args)

@@ -67,9 +67,13 @@ class GraphBudget:
                 runner.releaser.release([victim], f"the least used, to make room under cuda_graph_memory_budget="
                                                   f"{self.limit} bytes")
             else:
-                victim.fail(f"memory_budget: its graphs ({_bytes_of(runtimes_graphs(runtimes, victim))} bytes) "
-                            f"released to make room for {runner.name}, which saves more per byte, under "
-                            f"cuda_graph_memory_budget={self.limit} bytes")
+                why = (f"memory_budget: its graphs ({_bytes_of(runtimes_graphs(runtimes, victim))} bytes) released to "
+                       f"make room for {runner.name}, which saves more per byte, under "
+                       f"cuda_graph_memory_budget={self.limit} bytes")
+                if victim.runtime is runner.runtime:
+                    victim.fail(why)
+                else:  # another frame's: not while another thread calls it (then check_after_capture decides)
+                    victim.runtime.when_idle(lambda victim=victim, why=why: victim.fail(why))
         return None
 
 

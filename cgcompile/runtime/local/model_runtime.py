@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -50,12 +51,14 @@ class ModelRuntime:
     def __init__(self, config: Any, device: Any, plan: Any = None, lineage: Optional[FrameLineage] = None):
         self.config = config
         self.lineage = lineage  # the code object and inputs it was compiled for (lineage.py), None when unknown
+        # held through each call of the frame and of its backward graphs: one thread's at a time (serialized.py)
+        self.calls = threading.RLock()
         others = live_runtimes()
         # the earlier frames of the same code this one supersedes: released when its first capture wave ends
         self._superseded = Supersession(lineage, others, lambda rt: rt.config == config, _frame_calls)
         for other in others:  # a deleted model's frame is never called again: its graphs go now (release_dead)
-            if other.dead and not other.in_call():
-                other.release_dead()
+            if other.dead:
+                other.when_idle(other.release_dead)
         self.driver: Driver = get_driver(str(config.driver), device)
         self.device = getattr(self.driver, "device", None) or torch.device(device)  # cuda: with its index
         self.memory = MemoryRegistry()
@@ -134,28 +137,32 @@ class ModelRuntime:
 
     def release(self) -> None:
         """Drop every graph, the pool and the driver's stream (cgcompile.release()); the partitions warm up and
-        capture again on their next calls. A pending backward of a released forward runs eagerly."""
-        for runner in list(self._runners):
-            runner.release()
-        self.memory.clear()
-        self._live.clear()
-        self._pool, self._wave_open = None, True
-        self.dead = []
-        self.driver.release()
+        capture again on their next calls. A pending backward of a released forward runs eagerly. Called from
+        another thread, it waits for the call running there to end."""
+        with self.calls:
+            for runner in list(self._runners):
+                runner.release()
+            self.memory.clear()
+            self._live.clear()
+            self._pool, self._wave_open = None, True
+            self.dead = []
+            self.driver.release()
 
     def graph_memory(self) -> List[Dict[str, Any]]:
         """Per live graph: its partition, unique label, kind, replays, the collectives it runs (by name and count),
         the pool bytes its capture reserved (CUDA only), and the bytes of the static input buffers and outputs it
         owns (what it keeps between calls)."""
-        return [{"partition": g.partition, "label": g.label, "kind": g.kind, "replays": g.replays,
-                 "steady_replays": max(0, g.replays - 1), "collectives": dict(g.family.collectives), **memory_of(g, g.family.saved)}
-                for g in self.live_graphs()]
+        with self.calls:  # read between calls, not while another thread's call changes them
+            return [{"partition": g.partition, "label": g.label, "kind": g.kind, "replays": g.replays,
+                     "steady_replays": max(0, g.replays - 1), "collectives": dict(g.family.collectives),
+                     **memory_of(g, g.family.saved)} for g in self.live_graphs()]
 
     def partition_stats(self) -> List[Dict[str, Any]]:
         """Per partition that ran since it was created or released: its frame and graph-bank accounting
         (bank_policy.BankCounters), how many of its sizes were compiled, the bytes its graphs hold, why it fell back
         to eager for good (or None), and its measured times (option measure_benefit: bank/benefit.py)."""
-        counted = [(r, r.bank_counters()) for r in self.runners()]
+        with self.calls:  # counting the steady replays writes their records: not during another thread's call
+            counted = [(r, r.bank_counters()) for r in self.runners()]
         return [{"partition": r.name, "frame": r.frame, **counters.as_dict(), "compiled_sizes": r.bank_size(),
                  "graph_bytes": self.bytes_of(r), "fallback": r.broken,
                  **r.benefit.meter.as_dict(max(1, len(r.ledger.param_sets)))}
@@ -248,6 +255,20 @@ class ModelRuntime:
         """Is one of this frame's partitions in the middle of a call (through its full path)?"""
         return any(runner.call is not None for runner in self.runners())
 
+    def when_idle(self, action: Any) -> bool:
+        """`action()` now, from outside this frame's calls, if no call of it is running (on any thread: its
+        lock is free; on this one: none of its partitions is mid-call); whether it ran. Never waits: another
+        runtime's lock taken while holding one's own could wait for a thread waiting for us."""
+        if not self.calls.acquire(blocking=False):
+            return False
+        try:
+            if self.in_call():
+                return False
+            action()
+            return True
+        finally:
+            self.calls.release()
+
     def release_dead(self) -> None:
         """Release the graphs whose parameters were freed (each by the partition that captured it): at the next call
         of one of this frame's partitions, or when another frame is compiled (a model deleted, its frame never
@@ -266,7 +287,8 @@ class ModelRuntime:
             if not graphs:
                 continue
             nbytes = releases.held_bytes([memory_of(g) for g in graphs])
-            old.release()
+            if not old.when_idle(old.release):  # another thread is calling it now: not superseded for its sizes
+                continue
             count("graphs_released", sum(g.kind != "backward" for g in graphs))  # each with its backward, as a release
             log.info("cgcompile: %s was compiled again with dynamic sizes as %s, which Dynamo now calls for its sizes "
                      "too: released its %d graph(s), %.1f KiB returned (a later call of it captures anew)",
