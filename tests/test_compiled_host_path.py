@@ -42,7 +42,7 @@ def test_ci_builds_the_compiled_host_path():
     (the extensions are optional) would show here rather than as slower steps."""
     if not os.environ.get("CI"):
         pytest.skip("only required where CI runs: without a C++ compiler the Python path is used")
-    assert native.STEADY_REPLAY is not None and native.SCOPE_GATE is not None
+    assert native.STEADY_REPLAY is not None and native.SCOPE_GATE is not None and native.SERIALIZED_CALL is not None
 
 
 @built
