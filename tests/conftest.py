@@ -1,5 +1,5 @@
 """Shared test setup: one intra-op thread per test process, the repo root on sys.path (for tests.models), a clean
-Dynamo cache per test, and a check that no test leaves thread-local state (grad mode, autocast, functorch levels,
+Dynamo cache and zeroed cgcompile.stats() counters per test, and a check that no test leaves thread-local state (grad mode, autocast, functorch levels,
 default dtype) changed."""
 
 import os
@@ -24,8 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
+    from cgcompile import reset_stats
     from cgcompile.runtime.drivers.thread_state import GlobalState
     torch._dynamo.reset()
+    reset_stats()  # a test's counts are its own (the graphs another test left are released with Dynamo's cache)
     before = GlobalState.now()
     yield
     torch._dynamo.reset()

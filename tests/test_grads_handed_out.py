@@ -11,17 +11,11 @@ import copy
 import pytest
 import torch
 
-from cgcompile import reset_stats, stats
+from cgcompile import stats
 from tests.models import dense_gpt
 from tests.test_runtime_traps import assert_close
 
 OPTIONS = {"cuda_graph_modules": ["attn", "mlp"], "driver": "emulate", "cuda_graph_warmup_steps": 1}
-
-
-@pytest.fixture(autouse=True)
-def clean_stats():
-    reset_stats()
-    yield
 
 
 class Loop:

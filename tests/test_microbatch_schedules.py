@@ -14,18 +14,12 @@ import copy
 import pytest
 import torch
 
-from cgcompile import reset_stats, stats
+from cgcompile import stats
 from tests.models import dense_gpt
 from tests.test_runtime_traps import assert_close
 
 OPTIONS = {"cuda_graph_modules": ["attn", "mlp"], "driver": "emulate", "cuda_graph_warmup_steps": 1}
 SCHEDULES = {"gpipe": "f0 f1 f2 b0 b1 b2", "reversed": "f0 f1 f2 b2 b1 b0", "1f1b": "f0 f1 b0 f2 b1 f3 b2 b3"}
-
-
-@pytest.fixture(autouse=True)
-def clean_stats():
-    reset_stats()
-    yield
 
 
 def run_schedule(schedule: str, device: str = "cpu", **options) -> list:

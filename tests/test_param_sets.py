@@ -4,19 +4,12 @@ torchtitan's experts call it), never starts a new set; and a partition whose set
 stats()["eager_fallbacks"] instead of running "planned capture" uncaptured in silence."""
 
 
-import pytest
 import torch
 
 from cgcompile import reset_stats, stats
 from cgcompile.runtime.bank.key import ParamSetIdentity
 from cgcompile.runtime.tensors import registered_parameter
 from tests.test_runtime_local import partition, runtime
-
-
-@pytest.fixture(autouse=True)
-def _clean_stats():
-    reset_stats()
-    yield
 
 
 def flagged(t: torch.Tensor) -> torch.Tensor:

@@ -6,22 +6,15 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 import torch.nn.functional as F
 
-from cgcompile import reset_stats, stats
+from cgcompile import stats
 from cgcompile.backend import record_plans
 from cgcompile.runtime.drivers import base as driver_mod
 from cgcompile.runtime.drivers import emulate as emulate_driver
 from cgcompile.runtime.drivers import select as drivers_mod
 from tests.test_runtime_traps import assert_close, batch, compiled, grads, twins
-
-
-@pytest.fixture(autouse=True)
-def clean_stats():
-    reset_stats()
-    yield
 
 
 def test_param_address_change_recaptures():

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 import torch.fx as fx
 import torch._functorch.config as functorch_config
 import torch.nn as nn
 
-from cgcompile import reset_stats, stats
+from cgcompile import stats
 from cgcompile.config import CudaGraphConfig
 from cgcompile.runtime import ModelRuntime, compile_partition
 from cgcompile.runtime.local.sources import source_of
@@ -70,12 +69,6 @@ class CountCopies(torch.utils._python_dispatch.TorchDispatchMode):
         if func is torch.ops.aten._foreach_copy_.default:  # the runtime copies a call's inputs in one dispatch
             self.copies += sum(id(t) in self.targets for t in args[0])
         return func(*args, **(kwargs or {}))
-
-
-@pytest.fixture(autouse=True)
-def _clean_stats():
-    reset_stats()
-    yield
 
 
 def test_calling_convention_single_tuple_and_list():

@@ -9,15 +9,9 @@ import torch
 import torch._functorch.config as functorch_config
 import torch.nn as nn
 
-from cgcompile import reset_stats, stats
+from cgcompile import stats
 from tests.inductor_cpp import needs_inductor_cpp
 from tests.test_runtime_local import graphs_of, partition, runtime, twins
-
-
-@pytest.fixture(autouse=True)
-def _clean_stats():
-    reset_stats()
-    yield
 
 
 class Normed(nn.Module):

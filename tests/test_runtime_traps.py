@@ -129,12 +129,6 @@ def is_static(runtimes, t):
     return any(rt.memory.owns(t) for rt in runtimes)
 
 
-@pytest.fixture(autouse=True)
-def _clean_stats():
-    reset_stats()
-    yield
-
-
 def assert_captured():
     s = stats()
     assert s["graphs_captured"] > 0 and s["steady_replays"] > 0, s

@@ -14,12 +14,6 @@ from tests.models import MODELS
 from tests.test_runtime_traps import assert_captured, assert_close, grads
 
 
-@pytest.fixture(autouse=True)
-def clean_stats():
-    reset_stats()
-    yield
-
-
 # --- the tiny zoo models: dense_gpt and moe_mask with their recommended modules ------------------------------
 
 

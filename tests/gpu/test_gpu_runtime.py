@@ -46,12 +46,6 @@ def close(a, b):
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # cuBLAS may pick other kernels for other strides
 
 
-@pytest.fixture(autouse=True)
-def _clean_stats():
-    reset_stats()
-    yield
-
-
 def test_driver_replays_into_the_same_outputs_and_reads_static_inputs():
     driver = CudaDriver(torch.device(DEV))
     x, w = torch.randn(8, 8, device=DEV), torch.randn(8, 8, device=DEV)
