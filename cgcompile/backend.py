@@ -11,7 +11,6 @@ import dataclasses
 import itertools
 import re
 import threading
-import types
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch.fx as fx
@@ -185,14 +184,12 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
     keeper = keeper_for(gm, example_inputs, frozenset(n for p in captured for n in p.nodes),
                         f"graph {graph_plan.index}")
 
-    def run(*args: Any) -> Any:
-        if keeper is not None:
-            keeper.keep(args)
+    def keeping(*args: Any) -> Any:
+        keeper.keep(args)
         return forward(*args)
 
-    # nothing to add: the frame calls it itself (a function, or the compiled steady replay, which carries its runtime)
-    if keeper is None and (isinstance(forward, types.FunctionType) or getattr(forward, "runtime", None) is runtime):
-        run = forward
+    # the frame calls `forward` itself unless FSDP2's parameters are kept first (the lock's wrapper carries .runtime)
+    run = forward if keeper is None else keeping
     if graph_plan.batch_boundary is not None:
         run = BatchPadding(graph_plan.batch_boundary, run, gm.forward, config.capture_sizes,
                            f"graph {graph_plan.index}")

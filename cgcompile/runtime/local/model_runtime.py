@@ -163,10 +163,10 @@ class ModelRuntime:
         to eager for good (or None), and its measured times (option measure_benefit: bank/benefit.py)."""
         with self.calls:  # counting the steady replays writes their records: not during another thread's call
             counted = [(r, r.bank_counters()) for r in self.runners()]
-        return [{"partition": r.name, "frame": r.frame, **counters.as_dict(), "compiled_sizes": r.bank_size(),
-                 "graph_bytes": self.bytes_of(r), "fallback": r.broken,
-                 **r.benefit.meter.as_dict(max(1, len(r.ledger.param_sets)))}
-                for r, counters in counted if counters.calls]
+            return [{"partition": r.name, "frame": r.frame, **counters.as_dict(), "compiled_sizes": r.bank_size(),
+                     "graph_bytes": self.bytes_of(r), "fallback": r.broken,
+                     **r.benefit.meter.as_dict(max(1, len(r.ledger.param_sets)))}
+                    for r, counters in counted if counters.calls]
 
     def bytes_of(self, runner: Any) -> int:
         """What `runner`'s live graphs hold (its share of stats()["graph_bytes"])."""
