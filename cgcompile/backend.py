@@ -35,6 +35,7 @@ from .runtime.frame.te import TEFrame, resolve_graphing_fn
 from .runtime.frame.unpadded import UnpaddedOnFallback
 from .runtime.frame.verify import VerifiedPartition
 from .plan import GraphPlan, submodule_name
+from .rewrites.checkpoint_eager import run_checkpoints_eagerly
 from .rewrites.shared_inputs import share_inputs
 from .scope import LayerScope, ScopedFrame, scope_config
 from .split import call_directly, copy_graph_module, plain_forward, replace_submodule, split
@@ -158,6 +159,10 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
     captured = [p for p in graph_plan.partitions if p.captured]
     names = [submodule_name(p.id) for p in captured]
     if config.cuda_graph_impl == CudaGraphImpl.TRANSFORMER_ENGINE:
+        for partition in graph_plan.partitions:  # TEFrame calls the split graph whole: its eager parts as written
+            eager = getattr(split_gm, submodule_name(partition.id))
+            if not partition.captured and run_checkpoints_eagerly(eager):
+                eager.recompile()
         graphing_fn, te_options = resolve_graphing_fn(config.te)
         return TEFrame(split_gm, names, graphing_fn, te_options, config.cuda_graph_warmup_steps,
                        clone_outputs=config.clone_outputs, device=device_of(example_inputs))
@@ -191,7 +196,7 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
     # the frame calls `forward` itself unless FSDP2's parameters are kept first (the lock's wrapper carries .runtime)
     run = forward if keeper is None else keeping
     if graph_plan.batch_boundary is not None:
-        run = BatchPadding(graph_plan.batch_boundary, run, gm.forward, config.capture_sizes,
+        run = BatchPadding(graph_plan.batch_boundary, run, plain_forward(gm), config.capture_sizes,
                            f"graph {graph_plan.index}")
     return one_call_at_a_time(run, runtime)  # threads sharing the model: one call at a time (its graphs' memory)
 

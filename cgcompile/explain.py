@@ -110,9 +110,10 @@ def explain(model_or_fn, *args: Any, options: Optional[dict] = None, **kwargs: A
     present: dict = {}
     for index, gm in enumerate(output.graphs):
         inputs = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
-        present.update(dict.fromkeys(graph_tags(module_regions(gm))))
         # tags are checked over all graphs at once below: one graph of a broken frame may hold none of them
         plan.graphs.append(make_plan(gm, inputs, config, index, validate_tags=False))
+        # read after planning: a checkpoint holding a selected module has been inlined, its tags now in sight
+        present.update(dict.fromkeys(graph_tags(module_regions(gm))))
     if config.cuda_graph_modules and plan.graphs:
         check_selected_tags(config, list(present))
     seen = set()

@@ -14,8 +14,8 @@ from .devices import device_of
 from .passes.batch_rows import batch_boundary, batch_padding_blocker, batch_symbol, first_batch
 from .passes.fsdp import resharded_inputs
 from .plan import BLOCK_SCOPE, LAYER_SCOPE, OFF_SCOPE, GraphPlan
-from .planner import plan_graph
-from .rewrites.checkpoint_inline import inline_checkpoints_around_islands
+from .planner import plan_graph, selected_tags
+from .rewrites.checkpoint_inline import inline_checkpoints
 from .rewrites.padding import pad_dynamic_rows
 from .rewrites.scalar_reads import hoist_scalar_input_reads
 
@@ -41,7 +41,7 @@ def make_plan(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGra
     """Plan one Dynamo graph for the current grad mode (hoisting scalar-input reads first, see split.py)."""
     training = torch.is_grad_enabled()
     scope = scope_for(config, training)
-    inline_checkpoints_around_islands(gm)
+    inline_checkpoints(gm, selected_tags(config) if scope == LAYER_SCOPE else frozenset())
     hoist_scalar_input_reads(gm)
     pad_dynamic_rows(gm, config)
     graph_plan = plan_graph(gm, config, index, training=training, device=device_of(example_inputs).type,

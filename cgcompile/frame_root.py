@@ -87,7 +87,9 @@ def anchor_module_stacks(gm: fx.GraphModule, root: Optional[Tuple[Tuple[str, typ
     if not root:
         return
     path = root[-1][0]
-    for node in gm.graph.nodes:
+    # every graph of the frame: an activation checkpoint's body is a graph module inside gm whose nodes the
+    # planner reads once the body is inlined (rewrites/checkpoint_inline.py)
+    for node in (n for graph in gm.modules() if isinstance(graph, fx.GraphModule) for n in graph.graph.nodes):
         if node.op in ("placeholder", "output", "get_attr"):
             continue
         stack = node.meta.get("nn_module_stack") or {}

@@ -75,13 +75,14 @@ class _Run:
     lead: Optional[List[fx.Node]] = None  # the next layer's ops moved in ahead of its first matmul (not its module)
 
 
-def _selected_tags(config: CudaGraphConfig) -> frozenset:
+def selected_tags(config: CudaGraphConfig) -> frozenset:
+    """The tag names config.cuda_graph_modules selects (empty: capture every capture-safe span)."""
     return frozenset(str(m.value if hasattr(m, "value") else m) for m in config.cuda_graph_modules)
 
 
 def check_selected_tags(config: CudaGraphConfig, present: Sequence[str]) -> None:
     """A selected module name that no module carries is almost always a typo or a missing tag: say so."""
-    selected = _selected_tags(config)
+    selected = selected_tags(config)
     present_set = set(present)
     missing = unmatched_selection(config.cuda_graph_impl, selected, present_set)
     if not missing:
@@ -117,7 +118,7 @@ def plan_graph(gm: fx.GraphModule, config: CudaGraphConfig, index: int = 0, *, t
     # Global-state nodes (grad mode, autocast, functorch levels) are not ops: they are placed with the ops they
     # govern once the partitions stand (_place_state_nodes), so they never make islands of their own.
     nodes = [n for n in compute_nodes(gm) if not is_state_node(n)]
-    selected = _selected_tags(config) if scope == LAYER_SCOPE else frozenset()
+    selected = selected_tags(config) if scope == LAYER_SCOPE else frozenset()
     if selected and validate_tags:
         present = graph_tags(regions)
         # A graph fragment after a Dynamo graph break may hold none of the selected modules; only a graph that

@@ -14,6 +14,7 @@ from torch.fx.passes.split_module import split_module
 
 from .passes.state_switches import grad_mode_after
 from .plan import GraphPlan
+from .rewrites.checkpoint_eager import run_checkpoints_eagerly
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -102,7 +103,10 @@ def plain_forward(gm: fx.GraphModule) -> Callable[..., Any]:
     """gm's generated forward, compiled now. Graph modules made under Dynamo are lazy (torch.fx's
     _LazyGraphModule): until compiled their `forward` is a stub that compiles the code and then calls the module
     through nn.Module.__call__, on every call when the stub itself was kept (a frame's `forward = gm.forward`).
-    `real_recompile` is that class's public method; an eager graph module has none and is compiled already."""
+    `real_recompile` is that class's public method; an eager graph module has none and is compiled already.
+    Its activation checkpoints run as the user's eager code runs them (rewrites/checkpoint_eager.py)."""
+    if run_checkpoints_eagerly(gm):
+        gm.recompile()
     recompile = getattr(gm, "real_recompile", None)
     if recompile is not None:
         recompile()

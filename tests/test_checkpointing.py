@@ -1,9 +1,12 @@
-"""Non-reentrant activation checkpointing (torch.utils.checkpoint, use_reentrant=False) through the backend: the
-higher-order ops it brings pass through capture, and a checkpoint around an eager island is inlined with its
-nodes tagged for recomputation (cgcompile/rewrites/checkpoint_inline.py)."""
+"""Activation checkpointing (torch.utils.checkpoint; Dynamo traces reentrant and non-reentrant calls alike) through
+the backend: the higher-order ops it brings pass through capture, a checkpoint around an eager island or holding a
+selected module is inlined with its nodes tagged for recomputation (cgcompile/rewrites/checkpoint_inline.py), and
+one left to run eagerly keeps its random ops' masks for backward (cgcompile/rewrites/checkpoint_eager.py)."""
 
 import copy
 
+import expecttest
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -12,7 +15,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import cgcompile
 from cgcompile.backend import record_plans
-from cgcompile.rewrites.checkpoint_inline import inline_checkpoints_around_islands
+from cgcompile.rewrites.checkpoint_inline import inline_checkpoints
 
 OPTIONS = {"driver": "emulate", "cuda_graph_warmup_steps": 1, "cuda_graph_modules": []}
 
@@ -59,15 +62,15 @@ class Model(nn.Module):
         return x.pow(2).mean()
 
 
-def _train(block, steps=4):
+def _train(block, steps=4, options=OPTIONS, model=None, input_grad=False):
     torch.manual_seed(0)
-    model = Model(block)
+    model = Model(block) if model is None else model
     reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="cudagraph_modules", options=OPTIONS)
+    compiled = torch.compile(model, backend="cudagraph_modules", options=options)
     cgcompile.reset_stats()
     with record_plans() as rec:
         for step in range(steps):
-            x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(step))
+            x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(step)).requires_grad_(input_grad)
             torch.manual_seed(step)
             loss = compiled(x)
             loss.backward()
@@ -100,7 +103,7 @@ def test_inlined_checkpoint_nodes_carry_aot_autograds_recompute_tags():
     seen = []
 
     def backend(gm, example_inputs):
-        seen.append(inline_checkpoints_around_islands(gm))
+        seen.append(inline_checkpoints(gm))
         seen.append([n for n in gm.graph.nodes if n.op == "call_function"])
         return gm.forward
 
@@ -111,3 +114,106 @@ def test_inlined_checkpoint_nodes_carry_aot_autograds_recompute_tags():
     assert len(regions) == 2  # one per checkpoint call
     island = next(n for n in nodes if n.target is torch.ops.cgtest.host_scale.default)
     assert island.meta["recompute"] == CheckpointPolicy.PREFER_RECOMPUTE  # aot keeps it eager: it is an island
+
+
+@cgcompile.tag("attn")
+class TaggedAttention(Attention):
+    pass
+
+
+@cgcompile.tag("mlp")
+class TaggedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(F.dropout(F.gelu(self.up(x)), 0.1, self.training))
+
+
+class Layer(nn.Module):
+    """A decoder layer as Hugging Face and torchtitan checkpoint it whole: tagged attention and MLP, untagged norms."""
+
+    def __init__(self, attention=TaggedAttention):
+        super().__init__()
+        self.norm_1, self.attn, self.norm_2, self.mlp = nn.LayerNorm(16), attention(), nn.LayerNorm(16), TaggedMLP()
+
+    def forward(self, x):
+        x = x + self.attn(self.norm_1(x))
+        return x + self.mlp(self.norm_2(x))
+
+
+class CheckpointedLayers(nn.Module):
+    def __init__(self, use_reentrant=False, checkpointed=True, attention=TaggedAttention):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(attention), Layer(attention)])
+        self.use_reentrant, self.checkpointed = use_reentrant, checkpointed
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = ckpt.checkpoint(layer, x, use_reentrant=self.use_reentrant) if self.checkpointed else layer(x)
+        return x.pow(2).mean()
+
+
+SELECTED = dict(OPTIONS, cuda_graph_modules=["attn", "mlp"])
+
+
+def _saved_bytes(st):
+    return sum(g["saved_output_bytes"] for g in st["graphs"] if g["kind"] == "forward")
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_selected_modules_inside_a_checkpointed_layer_are_captured_replayed_and_recomputed(use_reentrant):
+    """A checkpoint is one opaque node to the planner: the tagged attention and MLP inside it used to stay eager
+    (nothing captured, and their dropout redrawn in backward). Inlined, each layer is a partition replayed with eager's
+    gradients, and its graph saves less for backward than without the checkpoint: aot recomputes inside it."""
+    # eager's reentrant checkpoint passes gradients on only from inputs that require them
+    plans, st = _train(None, options=SELECTED, model=CheckpointedLayers(use_reentrant), input_grad=use_reentrant)
+    (plan,) = plans
+    assert [p.tags for p in plan.partitions if p.captured] == [("attn", "mlp")] * 2  # one partition a layer
+    assert st["eager_fallbacks"] == [] and len(st["graphs"]) == 4  # 2 partitions, forward and backward each
+    assert all(g["steady_replays"] >= 2 for g in st["graphs"])
+    _, plain = _train(None, options=SELECTED, model=CheckpointedLayers(checkpointed=False))
+    assert _saved_bytes(st) < _saved_bytes(plain)
+
+
+@pytest.mark.parametrize("where", ["eager_partition", "eager_frame"])
+def test_a_checkpoint_left_eager_keeps_its_dropout_mask_for_backward(where):
+    """torch 2.13 runs the checkpoint op outside aot_autograd without preserving the random state (its
+    backend="eager" gives other gradients here; 2.11 skips the checkpoint): an eager partition (untagged attention
+    next to the tagged MLP) and a frame run eagerly whole (the eager driver) run the user's checkpoint call
+    instead, with eager's gradients (which _train checks)."""
+    if where == "eager_partition":
+        plans, st = _train(None, options=dict(OPTIONS, cuda_graph_modules=["mlp"]), model=AttentionThenMLP())
+        (plan,) = plans
+        eager_ops = [r.op for p in plan.partitions if not p.captured for r in p.reasons]
+        assert "torch.ops.higher_order.tag_activation_checkpoint" in eager_ops, eager_ops
+        assert st["graphs"] and all(g["steady_replays"] >= 2 for g in st["graphs"])  # the MLP's
+    else:
+        plans, st = _train(Attention, options=dict(OPTIONS, driver="eager"))
+        assert not st["graphs"]
+    assert st["eager_fallbacks"] == []
+
+
+class AttentionThenMLP(nn.Module):
+    """A checkpointed untagged attention (dropout inside) beside a tagged MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn, self.mlp = Attention(), TaggedMLP()
+
+    def forward(self, x):
+        x = x + ckpt.checkpoint(self.attn, x, use_reentrant=False)
+        return (x + self.mlp(x)).pow(2).mean()
+
+
+class TestCheckpointPlan(expecttest.TestCase):
+    def test_explain_sees_the_modules_a_checkpoint_holds(self):
+        plan = cgcompile.explain(CheckpointedLayers(), torch.randn(2, 8, 16), options=SELECTED)
+        self.assertExpectedInline("\n".join(str(plan).splitlines()[1:]), """\
+graph 0 (training, layer scope): 3 partitions, 2 captured, 1 eager; 30/32 ops captured; driver=emulate: capture is \
+emulated on the CPU
+id  kind     tags      module    ops  first reason
+ 0  capture  attn+mlp  layers.0   15  -
+ 1  capture  attn+mlp  layers.1   15  -
+ 2  eager    -         -           2  untagged: Tensor.pow at test_checkpointing.py:155""")

@@ -7,27 +7,32 @@ inlines that body and tags each of its ops for recomputation, so the backward re
 their activations. When the body holds an op that must run eagerly (a host sync such as transformers' fp32
 grouped-mm fallback, a data-dependent shape), the opaque node would make the whole region fail at capture.
 
+The same holds for a body that holds a module the config selects (`cuda_graph_modules=["attn", "mlp"]` with a
+checkpointed decoder layer, or `checkpoint(mlp, x)`): as one node it carries no tag, so nothing in it would be
+captured.
+
 So such a body is inlined here, before planning, each inlined node tagged as aot_autograd tags a checkpointed op
 (`recompute` = PREFER_RECOMPUTE, one `ac_graph_id` per region; torch copies both onto the aten ops it traces
-from a node): the planner cuts around the island as anywhere else, and aot_autograd's partitioner still
-recomputes the captured parts in backward. The island itself saves its inputs as eager code does. Bodies without
-such an op stay one node (captured whole, recomputed by aot_autograd); a checkpoint with a `context_fn`
-(selective checkpointing, its own policy) is left as it is.
+from a node): the planner cuts around the island, or at the tagged modules, as anywhere else, and
+aot_autograd's partitioner still recomputes the captured parts in backward. What is left eager (the island, the
+glue between tagged modules) saves its inputs as eager code does. Other bodies stay one node (captured whole,
+recomputed by aot_autograd; run eagerly by checkpoint_eager.py); a checkpoint with a `context_fn` (selective
+checkpointing, its own policy) is left as it is.
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
-from typing import Dict, List
+from typing import AbstractSet, Dict, List
 
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..passes import analyze
+from ..passes import analyze, module_regions
 
-__all__ = ["inline_checkpoints_around_islands"]
+__all__ = ["inline_checkpoints"]
 
 # aot_autograd numbers the regions it traces from 0 (torch/_higher_order_ops/wrap.py); ours stay clear of them
 _REGION_IDS = itertools.count(1 << 30)
@@ -37,15 +42,15 @@ def _is_checkpoint(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is torch.ops.higher_order.tag_activation_checkpoint
 
 
-def inline_checkpoints_around_islands(gm: fx.GraphModule) -> List[str]:
-    """Inline, in place, every activation checkpoint whose body holds a node the planner keeps eager; returns
-    the names of the checkpoint nodes inlined."""
+def inline_checkpoints(gm: fx.GraphModule, selected: AbstractSet[str] = frozenset()) -> List[str]:
+    """Inline, in place, every activation checkpoint whose body holds a node the planner keeps eager or a module
+    tagged with one of the `selected` tags; returns the names of the checkpoint nodes inlined."""
     inlined = []
     for node in list(gm.graph.nodes):
         if not _is_checkpoint(node) or node.args[0].op != "get_attr":
             continue
         body = getattr(gm, node.args[0].target)
-        if "_checkpoint_context_fn" in getattr(body, "meta", {}) or not analyze(body):
+        if "_checkpoint_context_fn" in getattr(body, "meta", {}) or not (analyze(body) or _holds(body, selected)):
             continue
         _inline(gm, node, body)
         inlined.append(node.name)
@@ -54,6 +59,11 @@ def inline_checkpoints_around_islands(gm: fx.GraphModule) -> List[str]:
         gm.delete_all_unused_submodules()
         gm.recompile()
     return inlined
+
+
+def _holds(body: fx.GraphModule, selected: AbstractSet[str]) -> bool:
+    """Does the body run a module tagged with one of `selected`?"""
+    return bool(selected) and any(info.innermost_tag(selected) for info in module_regions(body).values())
 
 
 def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule) -> None:

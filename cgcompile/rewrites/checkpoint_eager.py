@@ -1,0 +1,69 @@
+"""Activation checkpoints in graph code that runs eagerly: run them as the user's eager code would.
+
+Dynamo turns `torch.utils.checkpoint.checkpoint(fn, ...)` (reentrant or not) into the higher-order op
+`tag_activation_checkpoint`. Inside aot_autograd that op only marks its body's ops for recomputation. Run as
+eager code (an eager partition, a frame with nothing captured, torch's own backend="eager"), torch 2.13 calls
+`checkpoint(..., preserve_rng_state=False)` on its body (torch/_higher_order_ops/wrap.py), so a random op in the
+body (dropout) draws a new mask when backward recomputes it: the gradients belong to another mask than the
+forward's, silently (torch 2.11 does so only with a `context_fn`, and otherwise runs the body unchecked, saving
+every activation). aot_autograd's own path keeps the mask.
+
+Here each such node of a graph that runs eagerly calls `checkpoint_as_written` instead:
+`torch.utils.checkpoint.checkpoint` with the options the user gave (Dynamo keeps them on the node),
+`preserve_rng_state` True unless the user turned it off, non-reentrant as under torch.compile, and the body's
+`context_fn` when it has one (selective checkpointing). The body is copied first, with its own nested
+checkpoints rewritten the same way: the original body may also sit in a captured partition, where aot_autograd
+must still see the op.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils.checkpoint
+
+__all__ = ["checkpoint_as_written", "run_checkpoints_eagerly"]
+
+
+def _is_checkpoint(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops.higher_order.tag_activation_checkpoint \
+        and node.args and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"
+
+
+def checkpoint_as_written(body: fx.GraphModule, *args: Any, **options: Any) -> Any:
+    """What the checkpoint call in the user's code does in eager mode, with `body` as its function."""
+    options = dict(options, use_reentrant=False)
+    options.setdefault("preserve_rng_state", True)
+    context_fn = getattr(body, "meta", {}).get("_checkpoint_context_fn")
+    if context_fn is not None:
+        options["context_fn"] = context_fn
+    return torch.utils.checkpoint.checkpoint(body, *args, **options)
+
+
+def run_checkpoints_eagerly(gm: fx.GraphModule) -> bool:
+    """Rewrite, in place, every checkpoint node of `gm` (which is to run eagerly) to call checkpoint_as_written
+    on a copy of its body; True if it changed gm (the caller recompiles it)."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if not _is_checkpoint(node):
+            continue
+        fetch = node.args[0]
+        body = getattr(gm, fetch.target)
+        eager_body = fx.GraphModule(body, copy.deepcopy(body.graph), class_name=type(body).__name__)
+        eager_body.meta = dict(getattr(body, "meta", {}))
+        if run_checkpoints_eagerly(eager_body):
+            eager_body.recompile()
+        name = next(n for n in (f"eager_{fetch.target}_{i}" for i in itertools.count()) if not hasattr(gm, n))
+        gm.add_submodule(name, eager_body)
+        with gm.graph.inserting_before(node):
+            fetched = gm.graph.get_attr(name)
+        node.target = checkpoint_as_written
+        node.args = (fetched,) + tuple(node.args[1:])
+        if not fetch.users:
+            gm.graph.erase_node(fetch)
+        changed = True
+    return changed
