@@ -26,7 +26,7 @@ import torch.fx as fx
 from .config import CudaGraphConfig, CudaGraphImpl
 from .megatron_flags import unmatched_selection
 from .errors import ConfigError
-from .passes import RegionInfo, analyze, compute_nodes, module_regions, node_location
+from .passes import RegionInfo, analyze, checkpoint_body, compute_nodes, module_regions, node_location, tags_inside
 from .passes.common import counts_as_op, node_module_path, op_name
 from .passes.dtensor import redistributions
 from .passes.padding_marks import PADDED
@@ -98,10 +98,12 @@ def check_selected_tags(config: CudaGraphConfig, present: Sequence[str]) -> None
 
 
 def graph_tags(regions: Dict[fx.Node, RegionInfo]) -> List[str]:
+    """The tags the graph's modules carry, those inside activation checkpoints it keeps whole included."""
     seen: Dict[str, None] = {}
-    for info in regions.values():
+    for node, info in regions.items():
         for _, name in info.tagged:
             seen.setdefault(name)
+        seen.update(dict.fromkeys(tags_inside(node)))
     return list(seen)
 
 
@@ -323,6 +325,16 @@ def _selected_runs(nodes, regions, blocking, selected, config) -> List[_Run]:
 
 
 def _not_captured_reason(node: fx.Node, info: RegionInfo, selected) -> Finding:
+    held = [tag for tag in tags_inside(node) if tag in selected]
+    if held:  # a checkpoint left whole (checkpoint_inline.py inlines all others holding a selected module)
+        body = checkpoint_body(node)
+        location = node_location(node) or next(
+            (found for found in map(node_location, body.graph.nodes) if found), None)
+        return Finding(Reason.UNTAGGED, op_name(node), location, info.module,
+                       hint="leave cuda_graph_modules empty to capture the checkpoint whole (aot_autograd applies "
+                            "its policy), or checkpoint without context_fn to capture the selected modules in it",
+                       detail=f"a selective activation checkpoint (context_fn) holding {', '.join(held)}: "
+                              f"not split, its policy applies to the whole body")
     if info.tagged:
         tag = info.tagged[-1][1]
         return Finding(Reason.NOT_SELECTED, op_name(node), node_location(node), info.module,

@@ -4,6 +4,9 @@ selected module is inlined with its nodes tagged for recomputation (cgcompile/re
 one left to run eagerly keeps its random ops' masks for backward (cgcompile/rewrites/checkpoint_eager.py)."""
 
 import copy
+import functools
+import inspect
+import re
 
 import expecttest
 import pytest
@@ -11,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
-from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import cgcompile
 from cgcompile.backend import record_plans
@@ -210,10 +213,41 @@ class AttentionThenMLP(nn.Module):
 class TestCheckpointPlan(expecttest.TestCase):
     def test_explain_sees_the_modules_a_checkpoint_holds(self):
         plan = cgcompile.explain(CheckpointedLayers(), torch.randn(2, 8, 16), options=SELECTED)
-        self.assertExpectedInline("\n".join(str(plan).splitlines()[1:]), """\
+        table = re.sub(r"(\.py):\d+", r"\1:LINE", "\n".join(str(plan).splitlines()[1:]))
+        self.assertExpectedInline(table, """\
 graph 0 (training, layer scope): 3 partitions, 2 captured, 1 eager; 30/32 ops captured; driver=emulate: capture is \
 emulated on the CPU
 id  kind     tags      module    ops  first reason
  0  capture  attn+mlp  layers.0   15  -
  1  capture  attn+mlp  layers.1   15  -
- 2  eager    -         -           2  untagged: Tensor.pow at test_checkpointing.py:155""")
+ 2  eager    -         -           2  untagged: Tensor.pow at test_checkpointing.py:LINE""")
+
+    def test_a_selective_checkpoint_holding_selected_modules_says_why_it_stays_eager(self):
+        """Selective checkpointing's policy applies to the aten ops aot_autograd traces from the whole body, so
+        such a body is not inlined; its tags still count as present (no 'no module carries that tag' error),
+        and the plan says why its modules are not captured and how to capture them."""
+        plan = cgcompile.explain(SelectivelyCheckpointed(), torch.randn(2, 8, 16), options=SELECTED)
+        (graph,) = plan.graphs
+        (finding,) = {p.reasons[0] for p in graph.partitions if not p.captured}
+        self.assertExpectedInline(f"{finding.category}: {finding.detail}\nhint: {finding.hint}", """\
+untagged: a selective activation checkpoint (context_fn) holding attn, mlp: not split, its policy applies to the \
+whole body
+hint: leave cuda_graph_modules empty to capture the checkpoint whole (aot_autograd applies its policy), or \
+checkpoint without context_fn to capture the selected modules in it""")
+        lines, first = inspect.getsourcelines(SelectivelyCheckpointed.forward)
+        call = first + next(i for i, line in enumerate(lines) if "ckpt.checkpoint(" in line)
+        assert finding.location == f"{__file__}:{call}", finding.location  # the user's checkpoint call
+        (whole,) = cgcompile.explain(SelectivelyCheckpointed(), torch.randn(2, 8, 16), options=OPTIONS).graphs
+        assert all(p.captured for p in whole.partitions)  # the hint's first way: the checkpoint captured whole
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class SelectivelyCheckpointed(CheckpointedLayers):
+    def forward(self, x):
+        for layer in self.layers:
+            x = ckpt.checkpoint(layer, x, use_reentrant=False,
+                                context_fn=functools.partial(create_selective_checkpoint_contexts, _save_matmuls))
+        return x.pow(2).mean()

@@ -22,16 +22,12 @@ import copy
 import itertools
 from typing import Any
 
-import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 
+from ..passes import checkpoint_body
+
 __all__ = ["checkpoint_as_written", "run_checkpoints_eagerly"]
-
-
-def _is_checkpoint(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is torch.ops.higher_order.tag_activation_checkpoint \
-        and node.args and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"
 
 
 def checkpoint_as_written(body: fx.GraphModule, *args: Any, **options: Any) -> Any:
@@ -49,10 +45,10 @@ def run_checkpoints_eagerly(gm: fx.GraphModule) -> bool:
     on a copy of its body; True if it changed gm (the caller recompiles it)."""
     changed = False
     for node in list(gm.graph.nodes):
-        if not _is_checkpoint(node):
+        body = checkpoint_body(node)
+        if body is None:
             continue
         fetch = node.args[0]
-        body = getattr(gm, fetch.target)
         eager_body = fx.GraphModule(body, copy.deepcopy(body.graph), class_name=type(body).__name__)
         eager_body.meta = dict(getattr(body, "meta", {}))
         if run_checkpoints_eagerly(eager_body):

@@ -26,11 +26,10 @@ import itertools
 import operator
 from typing import AbstractSet, Dict, List
 
-import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..passes import analyze, module_regions
+from ..passes import analyze, checkpoint_body, tags_inside
 
 __all__ = ["inline_checkpoints"]
 
@@ -38,19 +37,14 @@ __all__ = ["inline_checkpoints"]
 _REGION_IDS = itertools.count(1 << 30)
 
 
-def _is_checkpoint(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is torch.ops.higher_order.tag_activation_checkpoint
-
-
 def inline_checkpoints(gm: fx.GraphModule, selected: AbstractSet[str] = frozenset()) -> List[str]:
     """Inline, in place, every activation checkpoint whose body holds a node the planner keeps eager or a module
     tagged with one of the `selected` tags; returns the names of the checkpoint nodes inlined."""
     inlined = []
     for node in list(gm.graph.nodes):
-        if not _is_checkpoint(node) or node.args[0].op != "get_attr":
-            continue
-        body = getattr(gm, node.args[0].target)
-        if "_checkpoint_context_fn" in getattr(body, "meta", {}) or not (analyze(body) or _holds(body, selected)):
+        body = checkpoint_body(node)
+        if body is None or "_checkpoint_context_fn" in getattr(body, "meta", {}) \
+                or not (analyze(body) or set(tags_inside(node)) & selected):
             continue
         _inline(gm, node, body)
         inlined.append(node.name)
@@ -59,11 +53,6 @@ def inline_checkpoints(gm: fx.GraphModule, selected: AbstractSet[str] = frozense
         gm.delete_all_unused_submodules()
         gm.recompile()
     return inlined
-
-
-def _holds(body: fx.GraphModule, selected: AbstractSet[str]) -> bool:
-    """Does the body run a module tagged with one of `selected`?"""
-    return bool(selected) and any(info.innermost_tag(selected) for info in module_regions(body).values())
 
 
 def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule) -> None:
