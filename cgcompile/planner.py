@@ -324,23 +324,29 @@ def _selected_runs(nodes, regions, blocking, selected, config) -> List[_Run]:
     return merged
 
 
+def _location(node: fx.Node) -> Optional[str]:
+    """The node's file:line; for an activation checkpoint Dynamo recorded none for, its body's first."""
+    body = checkpoint_body(node)
+    found = node_location(node)
+    if found is None and body is not None:
+        found = next((where for where in map(node_location, body.graph.nodes) if where), None)
+    return found
+
+
 def _not_captured_reason(node: fx.Node, info: RegionInfo, selected) -> Finding:
     held = [tag for tag in tags_inside(node) if tag in selected]
     if held:  # a checkpoint left whole (checkpoint_inline.py inlines all others holding a selected module)
-        body = checkpoint_body(node)
-        location = node_location(node) or next(
-            (found for found in map(node_location, body.graph.nodes) if found), None)
-        return Finding(Reason.UNTAGGED, op_name(node), location, info.module,
+        return Finding(Reason.UNTAGGED, op_name(node), _location(node), info.module,
                        hint="leave cuda_graph_modules empty to capture the checkpoint whole (aot_autograd applies "
                             "its policy), or checkpoint without context_fn to capture the selected modules in it",
                        detail=f"a selective activation checkpoint (context_fn) holding {', '.join(held)}: "
                               f"not split, its policy applies to the whole body")
     if info.tagged:
         tag = info.tagged[-1][1]
-        return Finding(Reason.NOT_SELECTED, op_name(node), node_location(node), info.module,
+        return Finding(Reason.NOT_SELECTED, op_name(node), _location(node), info.module,
                        hint=f"add '{tag}' to cuda_graph_modules to capture it",
                        detail=f"module tag '{tag}' is not in cuda_graph_modules")
-    return Finding(Reason.UNTAGGED, op_name(node), node_location(node), info.module,
+    return Finding(Reason.UNTAGGED, op_name(node), _location(node), info.module,
                    hint="tag its module with cgcompile.tag(...), or leave cuda_graph_modules empty to capture "
                         "every capture-safe span",
                    detail="not inside a selected module")
