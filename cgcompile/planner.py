@@ -15,10 +15,10 @@ Region rules:
 from __future__ import annotations
 
 import dataclasses
-
 import difflib
+import operator
 from dataclasses import dataclass, replace
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -254,7 +254,7 @@ def _cut_before_matmuls(runs: List[_Run], min_ops: int) -> List[_Run]:
         if before.kind != CAPTURE or after.kind != CAPTURE:
             continue
         first = next((i for i, n in enumerate(after.nodes) if op_name(n) in _MATMULS), None)
-        if not first or sum(counts_as_op(n) for n in after.nodes[first:]) < min_ops:
+        if not first or sum(map(_op_count, after.nodes[first:])) < min_ops:
             continue
         head = after.nodes[:first]
         before.nodes.extend(head)
@@ -263,12 +263,51 @@ def _cut_before_matmuls(runs: List[_Run], min_ops: int) -> List[_Run]:
     return runs
 
 
+def _op_count(node: fx.Node) -> int:
+    """Ops a node runs: an activation checkpoint kept whole runs its body's."""
+    body = checkpoint_body(node)
+    return int(counts_as_op(node)) if body is None else sum(map(_op_count, body.graph.nodes))
+
+
 def _ops(run: _Run) -> int:
-    return sum(counts_as_op(n) for n in run.nodes)
+    return sum(map(_op_count, run.nodes))
+
+
+def _whole_checkpoint_region(node: fx.Node, selected, config: CudaGraphConfig) -> Optional[Tuple[str, str]]:
+    """A selective activation checkpoint holding selected modules only is captured whole (aot_autograd applies its
+    policy to the whole body, so it is not inlined: rewrites/checkpoint_inline.py), in the region of the last of
+    them: its layer's. None for any other node, and with strict_modules (the body's glue would be captured too)."""
+    inside = set(tags_inside(node))
+    if not inside or not inside <= selected or config.strict_modules:
+        return None
+    found = [info.innermost_tag(selected) for info in module_regions(checkpoint_body(node)).values()]
+    return next((region for region in reversed(found) if region is not None), None)
+
+
+def _checkpoint_of_item(node: fx.Node) -> Optional[fx.Node]:
+    """The activation checkpoint node whose result `node` takes an item of, if it does."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
+            and checkpoint_body(node.args[0]) is not None:
+        return node.args[0]
+    return None
+
+
+def _module_of(node: fx.Node, regions) -> Optional[str]:
+    """A node's module path; for an activation checkpoint (or an item of one), the module its body runs in."""
+    source = _checkpoint_of_item(node) or node
+    body = checkpoint_body(source)
+    if regions[node].module is not None or body is None:
+        return regions[node].module
+    return common_module([info.module for info in module_regions(body).values()])
 
 
 def _selected_runs(nodes, regions, blocking, selected, config) -> List[_Run]:
-    region_of = {n: regions[n].innermost_tag(selected) for n in nodes}
+    region_of = {n: regions[n].innermost_tag(selected) or _whole_checkpoint_region(n, selected, config)
+                 for n in nodes}
+    for node in nodes:  # the items of a checkpoint captured whole go with it
+        source = _checkpoint_of_item(node)
+        if region_of[node] is None and source is not None and source in region_of:
+            region_of[node] = region_of[source]
     # A selected region instance that holds an uncapturable op is not captured at all (Megatron cannot either).
     poisoned: Dict[str, List[Finding]] = {}
     for node in nodes:
@@ -334,13 +373,16 @@ def _location(node: fx.Node) -> Optional[str]:
 
 
 def _not_captured_reason(node: fx.Node, info: RegionInfo, selected) -> Finding:
-    held = [tag for tag in tags_inside(node) if tag in selected]
-    if held:  # a checkpoint left whole (checkpoint_inline.py inlines all others holding a selected module)
+    inside = tags_inside(node)
+    if any(tag in selected for tag in inside):  # a selective checkpoint not captured whole (_whole_checkpoint_region)
+        others = [tag for tag in inside if tag not in selected]
+        rule = f"every module in it is selected ({', '.join(others)} is not)" if others \
+            else "strict_modules is off (the body's glue is captured too)"
         return Finding(Reason.UNTAGGED, op_name(node), _location(node), info.module,
-                       hint="leave cuda_graph_modules empty to capture the checkpoint whole (aot_autograd applies "
-                            "its policy), or checkpoint without context_fn to capture the selected modules in it",
-                       detail=f"a selective activation checkpoint (context_fn) holding {', '.join(held)}: "
-                              f"not split, its policy applies to the whole body")
+                       hint="select every module it holds to capture it whole (aot_autograd applies its policy), or "
+                            "checkpoint without context_fn to capture the selected modules in it",
+                       detail=f"a selective activation checkpoint (context_fn) holding {', '.join(inside)}: its policy "
+                              f"applies to the whole body, captured whole only when {rule}")
     if info.tagged:
         tag = info.tagged[-1][1]
         return Finding(Reason.NOT_SELECTED, op_name(node), _location(node), info.module,
@@ -384,7 +426,9 @@ def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> Lis
             tagged = regions[node].innermost_tag(selected or None)
             if tagged is not None:
                 tags.setdefault(tagged[1])
-        num_ops = sum(counts_as_op(n) for n in run.nodes)
+            if run.kind == CAPTURE and selected:  # a selective checkpoint captured whole: the modules it holds
+                tags.update(dict.fromkeys(tags_inside(node)))
+        num_ops = _ops(run)
         reasons: Dict[tuple, Finding] = {}
         if run.kind == EAGER:
             for node in run.nodes:
@@ -408,7 +452,7 @@ def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> Lis
                 reasons[(f.category, f.op, f.location)] = f
         lead = set(run.lead or ())
         own = [n for n in run.nodes if n not in lead] or run.nodes
-        partitions.append(Partition(pid, run.kind, tuple(tags), common_module([regions[n].module for n in own]),
+        partitions.append(Partition(pid, run.kind, tuple(tags), common_module([_module_of(n, regions) for n in own]),
                                     num_ops, tuple(reasons.values()), tuple(n.name for n in run.nodes),
                                     _padding_summary(run.nodes)))
     return partitions

@@ -223,21 +223,30 @@ id  kind     tags      module    ops  first reason
  1  capture  attn+mlp  layers.1   15  -
  2  eager    -         -           2  untagged: Tensor.pow at test_checkpointing.py:LINE""")
 
-    def test_a_selective_checkpoint_holding_selected_modules_says_why_it_stays_eager(self):
+    def test_a_selective_checkpoint_holding_an_unselected_module_says_why_it_stays_eager(self):
         """Selective checkpointing's policy applies to the aten ops aot_autograd traces from the whole body, so
-        such a body is not inlined; its tags still count as present (no 'no module carries that tag' error),
-        and the plan says why its modules are not captured and how to capture them."""
-        plan = cgcompile.explain(SelectivelyCheckpointed(), torch.randn(2, 8, 16), options=SELECTED)
-        (graph,) = plan.graphs
+        such a body is not inlined; holding a module not selected (attention, with only "mlp" selected), it is not
+        captured whole either. Its tags still count as present (no 'no module carries that tag' error), and the
+        plan says why and how to capture it."""
+        options = dict(OPTIONS, cuda_graph_modules=["mlp"])
+        (graph,) = cgcompile.explain(SelectivelyCheckpointed(), torch.randn(2, 8, 16), options=options).graphs
         (finding,) = {p.reasons[0] for p in graph.partitions if not p.captured}
         self.assertExpectedInline(f"{finding.category}: {finding.detail}\nhint: {finding.hint}", """\
-untagged: a selective activation checkpoint (context_fn) holding attn, mlp: not split, its policy applies to the \
-whole body
-hint: leave cuda_graph_modules empty to capture the checkpoint whole (aot_autograd applies its policy), or \
-checkpoint without context_fn to capture the selected modules in it""")
+untagged: a selective activation checkpoint (context_fn) holding attn, mlp: its policy applies to the whole body, \
+captured whole only when every module in it is selected (attn is not)
+hint: select every module it holds to capture it whole (aot_autograd applies its policy), or checkpoint without \
+context_fn to capture the selected modules in it""")
         assert finding.location == _checkpoint_call(SelectivelyCheckpointed), finding.location
-        (whole,) = cgcompile.explain(SelectivelyCheckpointed(), torch.randn(2, 8, 16), options=OPTIONS).graphs
-        assert all(p.captured for p in whole.partitions)  # the hint's first way: the checkpoint captured whole
+
+
+def test_a_selective_checkpoint_holding_selected_modules_only_is_captured_whole_per_layer():
+    """The hint's first way: every module in the body selected, the checkpoint is captured whole in its layer's
+    partition (aot_autograd applies the policy), replayed, with eager's gradients (dropout inside)."""
+    (plan,), st = _train(None, options=SELECTED, model=SelectivelyCheckpointed())
+    assert [(p.tags, p.module) for p in plan.partitions if p.captured] == [
+        (("attn", "mlp"), "layers.0"), (("attn", "mlp"), "layers.1")]
+    assert len(st["graphs"]) == 4 and all(g["steady_replays"] >= 2 for g in st["graphs"])
+    assert st["eager_fallbacks"] == []
 
 
 def _checkpoint_call(model_class) -> str:

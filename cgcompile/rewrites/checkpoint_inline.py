@@ -17,7 +17,8 @@ from a node): the planner cuts around the island, or at the tagged modules, as a
 aot_autograd's partitioner still recomputes the captured parts in backward. What is left eager (the island, the
 glue between tagged modules) saves its inputs as eager code does. Other bodies stay one node (captured whole,
 recomputed by aot_autograd; run eagerly by checkpoint_eager.py); a checkpoint with a `context_fn` (selective
-checkpointing, its own policy) is left as it is.
+checkpointing, its own policy over the aten ops aot traces from the whole body) is left as it is: the planner
+captures it whole when every module it holds is selected.
 """
 
 from __future__ import annotations

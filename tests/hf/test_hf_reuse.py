@@ -69,12 +69,19 @@ def test_gradient_checkpointing_trains_like_eager_with_every_partition_reused(fa
     assert _reuse_after_capture(marks, WARMUP) >= 0.95, marks
 
 
-def test_gpt2_with_dropout_checkpointed_captures_its_tagged_modules_and_trains_like_eager():
+def _save_matmuls(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+    return CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) \
+        else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize("selective", [False, True], ids=["full", "selective"])
+def test_gpt2_with_dropout_checkpointed_captures_its_tagged_modules_and_trains_like_eager(selective):
     """GPT-2's default dropout, gradient_checkpointing_enable() as Hugging Face documents it, and the Megatron-style
     selection of attention and MLP: each checkpointed decoder layer is one opaque node to the planner, so nothing
     was captured, and the layers ran through torch's checkpoint op outside aot_autograd, whose recompute draws new
     dropout masks on torch 2.13 (gradients off by up to 0.08). Inlined, attention and MLP are captured, replayed
-    and exact."""
+    and exact. A selective checkpoint (context_fn, saving the matmuls) is captured whole per layer instead."""
     import transformers
 
     torch._dynamo.reset()
@@ -82,7 +89,15 @@ def test_gpt2_with_dropout_checkpointed_captures_its_tagged_modules_and_trains_l
     config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)
     assert config.resid_pdrop == config.attn_pdrop == config.embd_pdrop == 0.1  # the defaults
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").train()
-    model.gradient_checkpointing_enable()
+    if selective:
+        import functools
+
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        policy = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                           "context_fn": policy})
+    else:
+        model.gradient_checkpointing_enable()
     reference = copy.deepcopy(model)
     cgcompile.tag_hf(model)
     compiled = torch.compile(model, backend="cudagraph_modules",
