@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import operator
 from dataclasses import dataclass, replace
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -26,7 +25,9 @@ import torch.fx as fx
 from .config import CudaGraphConfig, CudaGraphImpl
 from .megatron_flags import unmatched_selection
 from .errors import ConfigError
-from .passes import RegionInfo, analyze, checkpoint_body, compute_nodes, module_regions, node_location, tags_inside
+from .passes import RegionInfo, analyze, compute_nodes, module_regions, node_location
+from .passes.checkpoints import (body_modules, checkpoint_location, checkpoint_of_item, op_count, tags_inside,
+                                 whole_checkpoint_region)
 from .passes.common import counts_as_op, node_module_path, op_name
 from .passes.dtensor import redistributions
 from .passes.padding_marks import PADDED
@@ -254,7 +255,7 @@ def _cut_before_matmuls(runs: List[_Run], min_ops: int) -> List[_Run]:
         if before.kind != CAPTURE or after.kind != CAPTURE:
             continue
         first = next((i for i, n in enumerate(after.nodes) if op_name(n) in _MATMULS), None)
-        if not first or sum(map(_op_count, after.nodes[first:])) < min_ops:
+        if not first or sum(map(op_count, after.nodes[first:])) < min_ops:
             continue
         head = after.nodes[:first]
         before.nodes.extend(head)
@@ -263,49 +264,21 @@ def _cut_before_matmuls(runs: List[_Run], min_ops: int) -> List[_Run]:
     return runs
 
 
-def _op_count(node: fx.Node) -> int:
-    """Ops a node runs: an activation checkpoint kept whole runs its body's."""
-    body = checkpoint_body(node)
-    return int(counts_as_op(node)) if body is None else sum(map(_op_count, body.graph.nodes))
-
-
 def _ops(run: _Run) -> int:
-    return sum(map(_op_count, run.nodes))
-
-
-def _whole_checkpoint_region(node: fx.Node, selected, config: CudaGraphConfig) -> Optional[Tuple[str, str]]:
-    """A selective activation checkpoint holding selected modules only is captured whole (aot_autograd applies its
-    policy to the whole body, so it is not inlined: rewrites/checkpoint_inline.py), in the region of the last of
-    them: its layer's. None for any other node, and with strict_modules (the body's glue would be captured too)."""
-    inside = set(tags_inside(node))
-    if not inside or not inside <= selected or config.strict_modules:
-        return None
-    found = [info.innermost_tag(selected) for info in module_regions(checkpoint_body(node)).values()]
-    return next((region for region in reversed(found) if region is not None), None)
-
-
-def _checkpoint_of_item(node: fx.Node) -> Optional[fx.Node]:
-    """The activation checkpoint node whose result `node` takes an item of, if it does."""
-    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
-            and checkpoint_body(node.args[0]) is not None:
-        return node.args[0]
-    return None
+    return sum(map(op_count, run.nodes))
 
 
 def _module_of(node: fx.Node, regions) -> Optional[str]:
     """A node's module path; for an activation checkpoint (or an item of one), the module its body runs in."""
-    source = _checkpoint_of_item(node) or node
-    body = checkpoint_body(source)
-    if regions[node].module is not None or body is None:
-        return regions[node].module
-    return common_module([info.module for info in module_regions(body).values()])
+    modules = body_modules(node)
+    return regions[node].module if regions[node].module is not None or modules is None else common_module(modules)
 
 
 def _selected_runs(nodes, regions, blocking, selected, config) -> List[_Run]:
-    region_of = {n: regions[n].innermost_tag(selected) or _whole_checkpoint_region(n, selected, config)
+    region_of = {n: regions[n].innermost_tag(selected) or whole_checkpoint_region(n, selected, config.strict_modules)
                  for n in nodes}
     for node in nodes:  # the items of a checkpoint captured whole go with it
-        source = _checkpoint_of_item(node)
+        source = checkpoint_of_item(node)
         if region_of[node] is None and source is not None and source in region_of:
             region_of[node] = region_of[source]
     # A selected region instance that holds an uncapturable op is not captured at all (Megatron cannot either).
@@ -363,32 +336,23 @@ def _selected_runs(nodes, regions, blocking, selected, config) -> List[_Run]:
     return merged
 
 
-def _location(node: fx.Node) -> Optional[str]:
-    """The node's file:line; for an activation checkpoint Dynamo recorded none for, its body's first."""
-    body = checkpoint_body(node)
-    found = node_location(node)
-    if found is None and body is not None:
-        found = next((where for where in map(node_location, body.graph.nodes) if where), None)
-    return found
-
-
 def _not_captured_reason(node: fx.Node, info: RegionInfo, selected) -> Finding:
     inside = tags_inside(node)
-    if any(tag in selected for tag in inside):  # a selective checkpoint not captured whole (_whole_checkpoint_region)
+    if any(tag in selected for tag in inside):  # a selective checkpoint not captured whole (whole_checkpoint_region)
         others = [tag for tag in inside if tag not in selected]
         rule = f"every module in it is selected ({', '.join(others)} is not)" if others \
             else "strict_modules is off (the body's glue is captured too)"
-        return Finding(Reason.UNTAGGED, op_name(node), _location(node), info.module,
+        return Finding(Reason.UNTAGGED, op_name(node), checkpoint_location(node), info.module,
                        hint="select every module it holds to capture it whole (aot_autograd applies its policy), or "
                             "checkpoint without context_fn to capture the selected modules in it",
                        detail=f"a selective activation checkpoint (context_fn) holding {', '.join(inside)}: its policy "
                               f"applies to the whole body, captured whole only when {rule}")
     if info.tagged:
         tag = info.tagged[-1][1]
-        return Finding(Reason.NOT_SELECTED, op_name(node), _location(node), info.module,
+        return Finding(Reason.NOT_SELECTED, op_name(node), checkpoint_location(node), info.module,
                        hint=f"add '{tag}' to cuda_graph_modules to capture it",
                        detail=f"module tag '{tag}' is not in cuda_graph_modules")
-    return Finding(Reason.UNTAGGED, op_name(node), _location(node), info.module,
+    return Finding(Reason.UNTAGGED, op_name(node), checkpoint_location(node), info.module,
                    hint="tag its module with cgcompile.tag(...), or leave cuda_graph_modules empty to capture "
                         "every capture-safe span",
                    detail="not inside a selected module")
@@ -426,7 +390,7 @@ def _finish(runs: List[_Run], regions, blocking, selected, config, scope) -> Lis
             tagged = regions[node].innermost_tag(selected or None)
             if tagged is not None:
                 tags.setdefault(tagged[1])
-            if run.kind == CAPTURE and selected:  # a selective checkpoint captured whole: the modules it holds
+            if run.kind == CAPTURE:  # a checkpoint captured whole: the modules it holds
                 tags.update(dict.fromkeys(tags_inside(node)))
         num_ops = _ops(run)
         reasons: Dict[tuple, Finding] = {}

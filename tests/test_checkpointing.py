@@ -223,6 +223,12 @@ id  kind     tags      module    ops  first reason
  1  capture  attn+mlp  layers.1   15  -
  2  eager    -         -           2  untagged: Tensor.pow at test_checkpointing.py:LINE""")
 
+    def test_a_checkpoint_captured_whole_shows_the_modules_it_holds(self):
+        plan = cgcompile.explain(CheckpointedLayers(), torch.randn(2, 8, 16), options=OPTIONS)
+        self.assertExpectedInline("\n".join(str(plan).splitlines()[2:]), """\
+id  kind     tags      module  ops  first reason
+ 0  capture  attn+mlp  -        32  -""")
+
     def test_a_selective_checkpoint_holding_an_unselected_module_says_why_it_stays_eager(self):
         """Selective checkpointing's policy applies to the aten ops aot_autograd traces from the whole body, so
         such a body is not inlined; holding a module not selected (attention, with only "mlp" selected), it is not
@@ -265,3 +271,26 @@ class SelectivelyCheckpointed(CheckpointedLayers):
             x = ckpt.checkpoint(layer, x, use_reentrant=False,
                                 context_fn=functools.partial(create_selective_checkpoint_contexts, _save_matmuls))
         return x.pow(2).mean()
+
+
+class NestedCheckpoints(nn.Module):
+    """A checkpoint inside a checkpointed module, dropout in the inner one."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.outer = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def _inner(self, x):
+        return F.dropout(self.inner(x), 0.5, True)
+
+    def _outer(self, x):
+        return self.outer(ckpt.checkpoint(self._inner, x, use_reentrant=False)).relu()
+
+    def forward(self, x):
+        return ckpt.checkpoint(self._outer, x, use_reentrant=False).pow(2).mean()
+
+
+def test_a_nested_checkpoint_run_eagerly_keeps_its_dropout_mask():
+    """The inner checkpoint lives in the outer one's body: run eagerly, the body's copy is rewritten too."""
+    _, st = _train(None, options=dict(OPTIONS, driver="eager"), model=NestedCheckpoints())
+    assert not st["graphs"] and st["eager_fallbacks"] == []

@@ -18,13 +18,13 @@ from .dtensor import find_data_dependent_redistributions
 from .dynamic_shapes import find_data_dependent_shapes
 from .host_tensors import find_host_tensor_reads
 from .mutation import find_input_mutations
-from .regions import RegionInfo, checkpoint_body, module_regions, tags_inside
+from .regions import RegionInfo, module_regions
 from .scalar_inputs import find_scalar_input_reads
 from .sync_ops import find_host_syncs
 
 __all__ = [
-    "Finding", "RegionInfo", "analyze", "checkpoint_body", "compute_nodes", "input_description",
-    "is_static_placeholder", "module_regions", "node_location", "node_module_path", "op_name", "tags_inside",
+    "Finding", "RegionInfo", "analyze", "compute_nodes", "input_description", "is_static_placeholder",
+    "module_regions", "node_location", "node_module_path", "op_name",
 ]
 
 # Most specific first: when several passes flag one node, the plan reports the first one's category first.

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-import torch
 import torch.fx as fx
 
 from ..tagging import is_eager_region, tag_of
@@ -39,25 +38,3 @@ def module_regions(gm: fx.GraphModule) -> Dict[fx.Node, RegionInfo]:
         regions[node] = RegionInfo(stack[-1][0] if stack else None, tagged, eager)
     return regions
 
-
-def checkpoint_body(node: fx.Node) -> Optional[fx.GraphModule]:
-    """The body of an activation checkpoint node (Dynamo traces `torch.utils.checkpoint.checkpoint` as the
-    higher-order op `tag_activation_checkpoint`, its body a graph module of the frame), or None for any other node."""
-    if node.op == "call_function" and node.target is torch.ops.higher_order.tag_activation_checkpoint \
-            and node.args and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
-        return getattr(node.graph.owning_module, node.args[0].target)
-    return None
-
-
-def tags_inside(node: fx.Node) -> Tuple[str, ...]:
-    """The tags of the modules a checkpoint node's body runs, in order of first use (none for any other node): to
-    the planner the node itself carries none."""
-    body = checkpoint_body(node)
-    if body is None:
-        return ()
-    seen: Dict[str, None] = {}
-    for inner, info in module_regions(body).items():
-        for _, name in info.tagged:
-            seen.setdefault(name)
-        seen.update(dict.fromkeys(tags_inside(inner)))
-    return tuple(seen)

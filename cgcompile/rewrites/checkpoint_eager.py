@@ -25,7 +25,7 @@ from typing import Any
 import torch.fx as fx
 import torch.utils.checkpoint
 
-from ..passes import checkpoint_body
+from ..passes.checkpoints import checkpoint_body
 
 __all__ = ["checkpoint_as_written", "run_checkpoints_eagerly"]
 

@@ -30,7 +30,8 @@ from typing import AbstractSet, Dict, List
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..passes import analyze, checkpoint_body, tags_inside
+from ..passes import analyze
+from ..passes.checkpoints import checkpoint_body, tags_inside
 
 __all__ = ["inline_checkpoints"]
 
