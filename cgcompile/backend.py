@@ -35,10 +35,11 @@ from .runtime.frame.te import TEFrame, resolve_graphing_fn
 from .runtime.frame.unpadded import UnpaddedOnFallback
 from .runtime.frame.verify import VerifiedPartition
 from .plan import GraphPlan, submodule_name
+from .rewrites import copy_graph_module
 from .rewrites.checkpoint_eager import run_checkpoints_eagerly
 from .rewrites.shared_inputs import share_inputs
 from .scope import LayerScope, ScopedFrame, scope_config
-from .split import call_directly, copy_graph_module, plain_forward, replace_submodule, split
+from .split import call_directly, plain_forward, replace_submodule, split
 
 register_with_torch_logs()
 
@@ -159,9 +160,9 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
     captured = [p for p in graph_plan.partitions if p.captured]
     names = [submodule_name(p.id) for p in captured]
     if config.cuda_graph_impl == CudaGraphImpl.TRANSFORMER_ENGINE:
-        for partition in graph_plan.partitions:  # TEFrame calls the split graph whole: its eager parts as written
-            eager = getattr(split_gm, submodule_name(partition.id))
-            if not partition.captured and run_checkpoints_eagerly(eager):
+        for partition in (p for p in graph_plan.partitions if not p.captured):  # TEFrame calls the split graph
+            eager = getattr(split_gm, submodule_name(partition.id))  # whole: its eager parts as written
+            if run_checkpoints_eagerly(eager):
                 eager.recompile()
         graphing_fn, te_options = resolve_graphing_fn(config.te)
         return TEFrame(split_gm, names, graphing_fn, te_options, config.cuda_graph_warmup_steps,

@@ -1,10 +1,9 @@
-"""FX surgery on a planned graph: copy it before planning, cut the graph into one
+"""FX surgery on a planned graph: cut the graph into one
 submodule per partition (torch.fx.passes.split_module; keep_original_order=True keeps unbacked symbols defined
 before their uses), and swap a submodule for its runtime wrapper."""
 
 from __future__ import annotations
 
-import copy
 import operator
 from typing import Any, Callable, Optional, Tuple
 
@@ -15,14 +14,6 @@ from torch.fx.passes.split_module import split_module
 from .passes.state_switches import grad_mode_after
 from .plan import GraphPlan
 from .rewrites.checkpoint_eager import run_checkpoints_eagerly
-
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of `gm` that planning may rewrite (padding, hoisting) without touching `gm`: new nodes, each with
-    its own meta dict (the values in it shared), the same submodules and attributes."""
-    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
-    copied.meta = dict(gm.meta)
-    return copied
 
 
 def split(gm: fx.GraphModule, graph_plan: GraphPlan) -> fx.GraphModule:

@@ -23,8 +23,8 @@ from .scalar_inputs import find_scalar_input_reads
 from .sync_ops import find_host_syncs
 
 __all__ = [
-    "Finding", "RegionInfo", "analyze", "compute_nodes", "input_description", "is_static_placeholder",
-    "module_regions", "node_location", "node_module_path", "op_name",
+    "Finding", "RegionInfo", "analyze", "compute_nodes", "input_description", "is_static_placeholder", "module_regions",
+    "node_location", "node_module_path", "op_name",
 ]
 
 # Most specific first: when several passes flag one node, the plan reports the first one's category first.

@@ -37,4 +37,3 @@ def module_regions(gm: fx.GraphModule) -> Dict[fx.Node, RegionInfo]:
         eager = next((path for path, cls in stack if isinstance(cls, type) and is_eager_region(cls)), None)
         regions[node] = RegionInfo(stack[-1][0] if stack else None, tagged, eager)
     return regions
-

@@ -11,14 +11,13 @@ every activation). aot_autograd's own path keeps the mask.
 Here each such node of a graph that runs eagerly calls `checkpoint_as_written` instead:
 `torch.utils.checkpoint.checkpoint` with the options the user gave (Dynamo keeps them on the node),
 `preserve_rng_state` True unless the user turned it off, non-reentrant as under torch.compile, and the body's
-`context_fn` when it has one (selective checkpointing). The body is copied first, with its own nested
-checkpoints rewritten the same way: the original body may also sit in a captured partition, where aot_autograd
+`context_fn` when it has one (selective checkpointing). A body holding checkpoints of its own is copied first and
+the copy's rewritten the same way: the original body may also sit in a captured partition, where aot_autograd
 must still see the op.
 """
 
 from __future__ import annotations
 
-import copy
 import itertools
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch.fx as fx
 import torch.utils.checkpoint
 
 from ..passes.checkpoints import checkpoint_body
+from . import copy_graph_module
 
 __all__ = ["checkpoint_as_written", "run_checkpoints_eagerly"]
 
@@ -42,24 +42,24 @@ def checkpoint_as_written(body: fx.GraphModule, *args: Any, **options: Any) -> A
 
 def run_checkpoints_eagerly(gm: fx.GraphModule) -> bool:
     """Rewrite, in place, every checkpoint node of `gm` (which is to run eagerly) to call checkpoint_as_written
-    on a copy of its body; True if it changed gm (the caller recompiles it)."""
+    on its body (a rewritten copy where the body holds checkpoints itself); True if it changed gm (the caller
+    recompiles it)."""
     changed = False
     for node in list(gm.graph.nodes):
         body = checkpoint_body(node)
         if body is None:
             continue
-        fetch = node.args[0]
-        eager_body = fx.GraphModule(body, copy.deepcopy(body.graph), class_name=type(body).__name__)
-        eager_body.meta = dict(getattr(body, "meta", {}))
-        if run_checkpoints_eagerly(eager_body):
-            eager_body.recompile()
-        name = next(n for n in (f"eager_{fetch.target}_{i}" for i in itertools.count()) if not hasattr(gm, n))
-        gm.add_submodule(name, eager_body)
-        with gm.graph.inserting_before(node):
-            fetched = gm.graph.get_attr(name)
+        if any(checkpoint_body(inner) is not None for inner in body.graph.nodes):
+            nested = copy_graph_module(body)
+            run_checkpoints_eagerly(nested)
+            nested.recompile()
+            fetch = node.args[0]
+            name = next(n for n in (f"eager_{fetch.target}_{i}" for i in itertools.count()) if not hasattr(gm, n))
+            gm.add_submodule(name, nested)
+            with gm.graph.inserting_before(node):
+                node.args = (gm.graph.get_attr(name),) + tuple(node.args[1:])
+            if not fetch.users:
+                gm.graph.erase_node(fetch)
         node.target = checkpoint_as_written
-        node.args = (fetched,) + tuple(node.args[1:])
-        if not fetch.users:
-            gm.graph.erase_node(fetch)
         changed = True
     return changed
