@@ -18,7 +18,7 @@ import torch.fx as fx
 from .config import CudaGraphConfig, CudaGraphImpl, DynamicPadding
 from .diagnostics import full_iteration_error, log_graph_plan
 from .errors import ConfigError
-from .frame_root import anchor_module_stacks, frame_module, frame_root
+from .frame_root import anchor_module_stacks, frame_module, frame_root, running_model
 from .logs import register_with_torch_logs
 from .passes import input_description, is_static_placeholder, node_location
 from .passes.common import frame_name
@@ -40,6 +40,7 @@ from .rewrites.checkpoint_eager import run_checkpoints_eagerly
 from .rewrites.shared_inputs import share_inputs
 from .scope import LayerScope, ScopedFrame, scope_config
 from .split import call_directly, plain_forward, replace_submodule, split
+from .tagging import tag_of
 
 register_with_torch_logs()
 
@@ -80,14 +81,16 @@ def cudagraph_modules(gm: fx.GraphModule, example_inputs: List[Any], options: Op
     config = CudaGraphConfig.from_options(options)
     root = frame_root()
     anchor_module_stacks(gm, root)  # a frame after a graph break inside a module starts at that module
+    model = running_model()
+    tagged = None if model is None else any(tag_of(module) for module in model.modules())
     if scope_config(config, LayerScope.FULL) == config:  # a scope transition (scope.py) would change nothing
-        return plan_and_compile(gm, example_inputs, config, next(_graph_counter), root)
+        return plan_and_compile(gm, example_inputs, config, next(_graph_counter), root, tagged)
     # Dynamo traces once; each capture scope is planned from its own copy of the graph at its first call
     pristine, unplanned = copy_graph_module(gm), [gm]
 
     def build(scope: LayerScope, args: Sequence[Any]) -> Callable[..., Any]:
         graph = unplanned.pop() if unplanned else copy_graph_module(pristine)
-        return plan_and_compile(graph, args, scope_config(config, scope), next(_graph_counter), root)
+        return plan_and_compile(graph, args, scope_config(config, scope), next(_graph_counter), root, tagged)
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     probe = next((i for i, n in enumerate(placeholders) if is_static_placeholder(n)), None)
@@ -97,14 +100,15 @@ def cudagraph_modules(gm: fx.GraphModule, example_inputs: List[Any], options: Op
 
 
 def plan_and_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGraphConfig, index: int,
-                     root: Any) -> Callable[..., Any]:
-    """Plan one Dynamo graph (mutating it), tell the plan listeners and the log, compile it."""
+                     root: Any, model_tagged: Optional[bool] = None) -> Callable[..., Any]:
+    """Plan one Dynamo graph (mutating it), tell the plan listeners and the log, compile it. `model_tagged`:
+    whether the model the user called carries any tag (None: no model is running, a compiled function)."""
     # dynamic_padding rewrites gm: the graph as Dynamo gave it is kept for a local frame that gives padding up
     unpadded_gm = copy_graph_module(gm) if config.dynamic_padding is not DynamicPadding.OFF \
         and config.cuda_graph_impl == CudaGraphImpl.LOCAL else None
     # a submodule's frame is a fragment of the model (Dynamo broke around it): it may hold none of the
     # selected tags (a decoder layer's attention half when "moe" is selected), so only whole frames are checked
-    graph_plan = make_plan(gm, example_inputs, config, index, validate_tags=root is None)
+    graph_plan = make_plan(gm, example_inputs, config, index, validate_tags=root is None, model_tagged=model_tagged)
     for listener in getattr(_listeners, "stack", ()):
         listener.graphs.append(graph_plan)
     log_graph_plan(graph_plan, config)
@@ -117,7 +121,8 @@ def plan_and_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     unpadded = dataclasses.replace(config, dynamic_padding=DynamicPadding.OFF, dynamic_padding_buckets=())
     # planned at the switch from that call's arguments, as ScopedFrame plans a scope: no first call's tensor kept
     return UnpaddedOnFallback(run, padded, lambda args: plan_and_compile(unpadded_gm, args, unpadded,
-                                                                         next(_graph_counter), root),
+                                                                         next(_graph_counter), root,
+                                                                         model_tagged),
                               f"graph {graph_plan.index}")
 
 

@@ -21,8 +21,9 @@ from .frame_plan import make_plan
 from .frame_root import anchor_module_stacks, frame_root
 from .model_state import preserved_model_state
 from .passes import module_regions
+from .passes.presets import untagged_preset_modules
 from .plan import GraphBreak, GraphPlan
-from .planner import check_selected_tags, graph_tags
+from .tag_selection import check_selected_tags, graph_tags
 from .visual import plan_to_html
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -108,14 +109,16 @@ def explain(model_or_fn, *args: Any, options: Optional[dict] = None, **kwargs: A
         output = _run_dynamo_explain(fn, args, kwargs)
     plan = Plan(config, measured=counters.snapshot()["benefit"])  # times measured by runs so far, if any
     present: dict = {}
+    presets: dict = {}  # the modules tag_hf / tag_megatron would tag, for the error if the model carries no tag
     for index, gm in enumerate(output.graphs):
         inputs = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
         # tags are checked over all graphs at once below: one graph of a broken frame may hold none of them
         plan.graphs.append(make_plan(gm, inputs, config, index, validate_tags=False))
         # read after planning: a checkpoint holding a selected module has been inlined, its tags now in sight
         present.update(dict.fromkeys(graph_tags(module_regions(gm))))
+        presets.update((module[0], module) for module in untagged_preset_modules(gm))
     if config.cuda_graph_modules and plan.graphs:
-        check_selected_tags(config, list(present))
+        check_selected_tags(config, list(present), list(presets.values()))
     seen = set()
     for reason in output.break_reasons:
         text = str(getattr(reason, "reason", reason))

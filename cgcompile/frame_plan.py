@@ -14,10 +14,11 @@ from .devices import device_of
 from .passes.batch_rows import batch_boundary, batch_padding_blocker, batch_symbol, first_batch
 from .passes.fsdp import resharded_inputs
 from .plan import BLOCK_SCOPE, LAYER_SCOPE, OFF_SCOPE, GraphPlan
-from .planner import plan_graph, selected_tags
+from .planner import plan_graph
 from .rewrites.checkpoint_inline import inline_checkpoints
 from .rewrites.padding import pad_dynamic_rows
 from .rewrites.scalar_reads import hoist_scalar_input_reads
+from .tag_selection import selected_tags
 
 __all__ = ["make_plan", "scope_for"]
 
@@ -37,7 +38,7 @@ def scope_for(config: CudaGraphConfig, training: bool) -> Optional[str]:
 
 
 def make_plan(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGraphConfig, index: int, *,
-              validate_tags: bool = True) -> GraphPlan:
+              validate_tags: bool = True, model_tagged: Optional[bool] = None) -> GraphPlan:
     """Plan one Dynamo graph for the current grad mode (hoisting scalar-input reads first, see split.py)."""
     training = torch.is_grad_enabled()
     scope = scope_for(config, training)
@@ -45,7 +46,7 @@ def make_plan(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CudaGra
     hoist_scalar_input_reads(gm)
     pad_dynamic_rows(gm, config)
     graph_plan = plan_graph(gm, config, index, training=training, device=device_of(example_inputs).type,
-                            scope=scope or OFF_SCOPE, validate_tags=validate_tags,
+                            scope=scope or OFF_SCOPE, validate_tags=validate_tags, model_tagged=model_tagged,
                             input_findings=resharded_inputs(gm, example_inputs, config.fsdp_keep_unsharded))
     if config.capture_sizes:
         sym = batch_symbol(gm)

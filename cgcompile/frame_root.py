@@ -21,7 +21,7 @@ from . import _compat
 FRAME_ROOT_KEY = "cgcompile_frame_root"  # key prefix of the entries prepended to each node's nn_module_stack
 
 
-def _outermost_running_module() -> Optional[nn.Module]:
+def running_model() -> Optional[nn.Module]:
     """The outermost `self` that is an nn.Module among the Python frames now running (the user's model)."""
     outermost = None
     frame = sys._getframe(1)
@@ -60,7 +60,7 @@ def frame_module() -> Optional[nn.Module]:
     """The module whose method Dynamo is compiling (for a resume function, the method it continues), else the
     outermost module running (a function the model calls); None when no module is running."""
     module = _frame_self()
-    return module if module is not None else _outermost_running_module()
+    return module if module is not None else running_model()
 
 
 def frame_root() -> Optional[Tuple[Tuple[str, type], ...]]:
@@ -70,7 +70,7 @@ def frame_root() -> Optional[Tuple[Tuple[str, type], ...]]:
     root = _frame_self()
     if root is None:
         return None
-    model = _outermost_running_module()
+    model = running_model()
     if model is None or model is root:
         return None
     path = next((name for name, module in model.named_modules() if module is root), None)

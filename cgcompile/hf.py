@@ -9,7 +9,7 @@ defines (transformers 5).
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch.nn as nn
 
@@ -51,3 +51,10 @@ def tag_hf(model: nn.Module) -> Dict[str, int]:
             tag(name)(module)
             counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+def hf_role(cls: type) -> Optional[str]:
+    """The tag tag_hf gives modules of this class, in any covered family (None for a class it does not tag)."""
+    if not cls.__module__.startswith("transformers."):
+        return None
+    return next((roles[cls.__name__] for roles in HF_FAMILIES.values() if cls.__name__ in roles), None)

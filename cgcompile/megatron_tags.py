@@ -17,7 +17,7 @@ import torch.nn as nn
 from .errors import ConfigError
 from .tagging import tag
 
-__all__ = ["MEGATRON_ROLES", "tag_megatron"]
+__all__ = ["MEGATRON_ROLES", "megatron_role", "tag_megatron"]
 
 # Megatron-Core class (or base class) name -> tag, for modules wherever they sit
 MEGATRON_ROLES: Dict[str, str] = {"TopKRouter": "moe_router", "Router": "moe_router", "BaseMoELayer": "moe",
@@ -28,11 +28,23 @@ _ABSENT = ("IdentityOp", "IdentityFuncOp")  # what a layer spec puts where it ha
 
 def _megatron_classes(module: nn.Module) -> list:
     """The names of the module's classes (its own and its bases) defined in Megatron-Core."""
-    return [cls.__name__ for cls in type(module).__mro__ if cls.__module__.split(".")[0] == "megatron"]
+    return _megatron_names(type(module))
+
+
+def _megatron_names(cls: type) -> list:
+    return [base.__name__ for base in cls.__mro__ if base.__module__.split(".")[0] == "megatron"]
 
 
 def _role(module: nn.Module) -> Optional[str]:
     return next((MEGATRON_ROLES[name] for name in _megatron_classes(module) if name in MEGATRON_ROLES), None)
+
+
+def megatron_role(cls: type) -> Optional[str]:
+    """What tag_megatron tags in modules of this class: its role by class, "layer" for a TransformerLayer (whose
+    attention and MLP it tags), None for a class it leaves alone."""
+    names = _megatron_names(cls)
+    role = next((MEGATRON_ROLES[name] for name in names if name in MEGATRON_ROLES), None)
+    return role or ("layer" if any(name in _LAYERS for name in names) else None)
 
 
 def _layer_roles(layer: nn.Module) -> Dict[str, nn.Module]:

@@ -15,7 +15,6 @@ Region rules:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass, replace
 from typing import Dict, List, Mapping, Optional, Sequence
 
@@ -23,7 +22,6 @@ import torch
 import torch.fx as fx
 
 from .config import CudaGraphConfig, CudaGraphImpl
-from .megatron_flags import unmatched_selection
 from .errors import ConfigError
 from .passes import RegionInfo, analyze, compute_nodes, module_regions, node_location
 from .passes.checkpoints import (body_modules, checkpoint_location, checkpoint_of_item, op_count, tags_inside,
@@ -34,6 +32,7 @@ from .passes.padding_marks import PADDED
 from .passes.state_switches import functorch_spans, is_state_node, state_effect
 from .plan import BLOCK_SCOPE, CAPTURE, EAGER, LAYER_SCOPE, OFF_SCOPE, GraphPlan, Partition
 from .reasons import Finding, Reason
+from .tag_selection import check_selection, selected_tags
 
 
 def layer_of(module: Optional[str]) -> Optional[str]:
@@ -76,41 +75,10 @@ class _Run:
     lead: Optional[List[fx.Node]] = None  # the next layer's ops moved in ahead of its first matmul (not its module)
 
 
-def selected_tags(config: CudaGraphConfig) -> frozenset:
-    """The tag names config.cuda_graph_modules selects (empty: capture every capture-safe span)."""
-    return frozenset(str(m.value if hasattr(m, "value") else m) for m in config.cuda_graph_modules)
-
-
-def check_selected_tags(config: CudaGraphConfig, present: Sequence[str]) -> None:
-    """A selected module name that no module carries is almost always a typo or a missing tag: say so."""
-    selected = selected_tags(config)
-    present_set = set(present)
-    missing = unmatched_selection(config.cuda_graph_impl, selected, present_set)
-    if not missing:
-        return
-    shown = ", ".join(sorted(present_set)) or "none"
-    parts = []
-    for name in missing:
-        close = difflib.get_close_matches(name, sorted(present_set), n=1)
-        parts.append(f"'{name}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
-    raise ConfigError(
-        f"cuda_graph_modules selects {', '.join(parts)}, but no module in the graph carries that tag; tags present: "
-        f"{shown}. Tag the module with @cgcompile.tag(...), cgcompile.tag_modules(...), or fix the name.")
-
-
-def graph_tags(regions: Dict[fx.Node, RegionInfo]) -> List[str]:
-    """The tags the graph's modules carry, those inside activation checkpoints it keeps whole included."""
-    seen: Dict[str, None] = {}
-    for node, info in regions.items():
-        for _, name in info.tagged:
-            seen.setdefault(name)
-        seen.update(dict.fromkeys(tags_inside(node)))
-    return list(seen)
-
-
 def plan_graph(gm: fx.GraphModule, config: CudaGraphConfig, index: int = 0, *, training: bool = True,
                device: str = "cpu", scope: Optional[str] = None, validate_tags: bool = True,
-               input_findings: Optional[Mapping[str, Finding]] = None) -> GraphPlan:
+               input_findings: Optional[Mapping[str, Finding]] = None,
+               model_tagged: Optional[bool] = None) -> GraphPlan:
     """Plan one Dynamo graph. `scope` is "layer" (module regions) or "block" (maximal capture-safe spans);
     by default "block" for full_iteration, else "layer". `input_findings` (placeholder name -> Finding): inputs
     no graph may read (e.g. FSDP2 parameters re-gathered at new addresses); the ops reading them stay eager."""
@@ -122,12 +90,8 @@ def plan_graph(gm: fx.GraphModule, config: CudaGraphConfig, index: int = 0, *, t
     # govern once the partitions stand (_place_state_nodes), so they never make islands of their own.
     nodes = [n for n in compute_nodes(gm) if not is_state_node(n)]
     selected = selected_tags(config) if scope == LAYER_SCOPE else frozenset()
-    if selected and validate_tags:
-        present = graph_tags(regions)
-        # A graph fragment after a Dynamo graph break may hold none of the selected modules; only a graph that
-        # carries tags, none of them selected, shows the selection is wrong.
-        if present and not selected & set(present):
-            check_selected_tags(config, present)
+    if selected:
+        check_selection(gm, config, regions, whole_frame=validate_tags, model_tagged=model_tagged)
 
     blocking: Dict[fx.Node, Finding] = {}
     for node in nodes:

@@ -1,9 +1,12 @@
 """cgcompile.tag_megatron on stand-ins named and placed like Megatron-Core's classes (megatron itself needs Python
 >= 3.12: tests/test_megatron_train.py tags and trains a real GPTModel where it is importable)."""
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
+from expecttest import assert_expected_inline
 
 import cgcompile
 from cgcompile.errors import ConfigError
@@ -81,6 +84,23 @@ def test_tag_megatron_selects_what_megatron_partial_graphs_capture():
                                                                "cuda_graph_modules": ["attn", "moe_router"]})
     captured = {tag for g in plan.graphs for p in g.partitions if p.captured for tag in p.tags}
     assert captured == {"attn", "moe_router"}
+
+
+def test_selecting_modules_of_an_untagged_megatron_model_names_tag_megatron():
+    """A Megatron-Core layer compiled with a selection but never tagged: nothing could be captured. explain() and
+    the first compiled call raise one error naming the layer, what tag_megatron would tag in it, and the call."""
+    options = {"driver": "emulate", "cuda_graph_modules": ["attn", "moe_router"]}
+    model = layer(SelfAttention(), moe())
+    with pytest.raises(ConfigError) as explained:
+        cgcompile.explain(model, torch.randn(4, 8), options=options)
+    assert_expected_inline(str(explained.value), """\
+cuda_graph_modules selects 'attn', 'moe_preprocess', 'moe_router', but no module in the graph carries that tag; \
+tags present: none. The graph holds modules cgcompile.tag_megatron(model) tags: mlp (MoELayer: 'moe'), mlp.router \
+(TopKRouter: 'moe_router'). Call cgcompile.tag_megatron(model) before compiling the model.""")
+
+    compiled = torch.compile(model, backend="cudagraph_modules", options=options)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=re.escape(str(explained.value))):
+        compiled(torch.randn(4, 8))
 
 
 def test_tag_megatron_says_when_it_finds_nothing():

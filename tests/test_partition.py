@@ -209,6 +209,32 @@ def test_selected_name_absent_from_the_graph_raises_with_did_you_mean():
     assert "'fedforward' (did you mean 'feedforward'?)" in msg and "tags present: attn, feedforward, mlp" in msg
 
 
+class Untagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.up(x)
+        torch._dynamo.graph_break()  # the rest is a frame of its own: a fragment may hold no tag
+        return self.down(torch.relu(x))
+
+
+def test_selection_over_a_model_that_carries_no_tag_raises_at_its_first_call():
+    """With no tag anywhere in the model, the selection can match nothing: the first call says so, whichever
+    graph of the frame it is. A compiled function running no module may be a loss with no module at all: not
+    an error, it runs eagerly."""
+    options = {"driver": "emulate", "cuda_graph_modules": ["attn"]}
+    compiled = torch.compile(Untagged(), backend="cudagraph_modules", options=options)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        compiled(torch.randn(4, 8))
+    assert "cuda_graph_modules selects 'attn', but no module in the graph carries that tag; tags present: none. " \
+           "Tag the module with @cgcompile.tag(...)" in str(info.value)
+    loss = torch.compile(lambda a, b: (a - b).pow(2).mean(), backend="cudagraph_modules", options=options)
+    a, b = torch.randn(4, 8), torch.randn(4, 8)
+    assert torch.equal(loss(a, b), (a - b).pow(2).mean())
+
+
 def test_impl_none_plans_everything_eager_and_shows_what_local_would_capture():
     (graph,) = plan(Net(), {"cuda_graph_impl": "none", "cuda_graph_modules": ["attn"]}).graphs
     (local,) = plan(Net(), {"cuda_graph_impl": "local", "cuda_graph_modules": ["attn"]}).graphs
