@@ -20,8 +20,8 @@ from .diagnostics import full_iteration_error, log_graph_plan
 from .errors import ConfigError
 from .frame_root import anchor_module_stacks, frame_module, frame_root, running_model
 from .logs import register_with_torch_logs
-from .passes import input_description, is_static_placeholder, node_location
-from .passes.common import frame_name
+from .passes import input_description, is_static_placeholder
+from .passes.common import first_location, frame_name
 from .runtime.frame.capture_sizes import BatchPadding
 from .devices import device_of
 from .frame_plan import make_plan
@@ -181,7 +181,7 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
         wrapped = compile_partition(
             submod, [n.meta.get("example_value") for n in inputs], name=runner_name,
             static_input_indices=[i for i, n in enumerate(inputs) if n.name in static_names], runtime=runtime,
-            location=first or _first_location(submod), frame=frame_name(submod),
+            location=first or first_location(submod), frame=frame_name(submod),
             input_names=[input_description(by_name[n.name]) if n.name in by_name else n.name for n in inputs],
             batch_symbol=graph_plan.batch_symbol if graph_plan.batch_boundary is not None else None)
         if config.verify:
@@ -212,5 +212,3 @@ def compile_frame(gm: fx.GraphModule, example_inputs: Sequence[Any], graph_plan:
 cudagraph_modules.reset = release  # type: ignore[attr-defined]
 
 
-def _first_location(submod: fx.GraphModule) -> Optional[str]:
-    return next((loc for loc in map(node_location, submod.graph.nodes) if loc), None)

@@ -55,6 +55,27 @@ class Net(nn.Module):
         return x.sum().tolist()
 
 
+@cgcompile.tag("mlp")
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.up(x))
+
+
+class Stack(nn.Module):
+    """An untagged projection before two tagged modules: each partition's first input comes from the op before."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.attn, self.mlp = nn.Linear(8, 8), Attn(), Mlp()
+
+    def forward(self, x):
+        return self.mlp(self.attn(self.proj(x)))
+
+
 def make_plan(**options):
     torch.manual_seed(0)
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
@@ -129,6 +150,23 @@ Fix them, or use cuda_graph_impl='local' to capture around them.""")
         summaries = [r.getMessage().splitlines()[0] for r in logs.records if r.getMessage().startswith("graph ")]
         self.assertEqual(len(summaries), 1)
         self.assertIn("2 partitions, 1 captured, 1 eager", summaries[0])
+
+    def test_graph_labels_name_the_partitions_own_code(self):
+        """A partition's inputs keep the meta of the ops that made them: the labels named the module before it
+        (the attn partition read `Stack.forward`, the mlp one `Attn.forward`)."""
+        torch.manual_seed(0)
+        compiled = torch.compile(Stack(), backend="cudagraph_modules",
+                                 options={"cuda_graph_modules": ["attn", "mlp"], "driver": "emulate",
+                                          "cuda_graph_warmup_steps": 1})
+        for _ in range(2):
+            compiled(torch.randn(4, 8)).sum().backward()
+        labels = sorted(g["label"].split(" [")[0].split(" in ", 1)[1] + " " + g["kind"]
+                        for g in cgcompile.stats()["graphs"])
+        self.assertExpectedInline("\n".join(labels), """\
+Attn.forward (test_diagnostics.py:24) backward
+Attn.forward (test_diagnostics.py:24) forward
+Mlp.forward (test_diagnostics.py:65) backward
+Mlp.forward (test_diagnostics.py:65) forward""")
 
     def test_torch_logs_enables_our_logger(self):
         code = ("import torch, logging, cgcompile\n"

@@ -45,18 +45,18 @@ class Loop:
         return grads
 
 
-def twins(how: str, keep: int, device: str = "cpu", **options):
+def twins(how: str, keep: int, device: str = "cpu", layers: int = 2, **options):
     """(eager loop, compiled loop) over the same tiny dense GPT on `device`, compiled with OPTIONS and `options`."""
-    ref = dense_gpt.build(2).to(device)
+    ref = dense_gpt.build(layers).to(device)
     model = copy.deepcopy(ref)
     compiled = torch.compile(model, backend="cudagraph_modules", options={**OPTIONS, **options})
     return Loop(ref, ref, how, keep), Loop(model, compiled, how, keep)
 
 
-def check_kept_grads(how: str, device: str = "cpu", **options) -> list:
+def check_kept_grads(how: str, device: str = "cpu", layers: int = 2, **options) -> list:
     """12 steps keeping the last two steps' grads: every kept grad equals eager's after every step. Returns the
     steady replays counted after each step."""
-    eager, ours = twins(how, 2, device, **options)
+    eager, ours = twins(how, 2, device, layers, **options)
     steady = []
     for step in range(12):
         tokens = dense_gpt.example_inputs(seed=step, device=device)[0]
@@ -77,6 +77,18 @@ def test_grads_kept_into_the_next_step_stay_eagers_and_the_graphs_replay(how):
     # 4 graphs (each layer's forward and backward), every one replayed in each of the last steps
     assert [b - a for a, b in zip(steady[-4:], steady[-3:])] == [4, 4, 4], steady
     assert stats()["eager_fallbacks"] == []
+
+
+def test_every_layer_learns_its_grads_are_kept_at_once():
+    """Four layers: the step that finds one layer's grads kept teaches every layer whose grads are held. Learnt
+    one layer a step, each step captured new instances of every layer after it (their inputs at new addresses):
+    5 captures per layer, no step replaying every graph in 12 steps. Now each layer captures one more instance
+    (the holder keeps the grads its first one handed out a step longer), and from step 5 on all 8 graphs replay."""
+    steady = check_kept_grads("autograd.grad", layers=4)
+    assert [b - a for a, b in zip(steady[4:], steady[5:])] == [8] * 7, steady
+    s = stats()
+    assert [p["captures"] for p in s["partitions"]] == [2] * 4, s["partitions"]
+    assert s["eager_fallbacks"] == []
 
 
 def test_grads_used_and_dropped_need_no_copies_and_no_more_graphs():

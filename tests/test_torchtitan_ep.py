@@ -283,10 +283,10 @@ def test_torchtitan_ep_fsdp2_experts_capture_and_replay_the_same_graphs_on_every
     # the same graphs on both ranks (a rank capturing a graph with a collective its peer runs eagerly would hang)
     assert ranks[0]["graphs"] == ranks[1]["graphs"] and ranks[0]["partitions"] == ranks[1]["partitions"]
     assert_expected_inline("\n".join(f"{label} {collectives}" for label, _, collectives in ranks[0]["graphs"]), """\
-graph 14 submod_0 in GroupedExperts.forward (moe.py:68) [2x32x16,2,32x16,...] params 0 #1 backward {'all_to_all_single': 1}
-graph 14 submod_0 in GroupedExperts.forward (moe.py:68) [2x32x16,2,32x16,...] params 0 #1 forward {'all_to_all_single': 1}
-graph 7 submod_0 in GroupedExperts.forward (moe.py:68) [2x32x16,2,32x16,...] params 0 #1 backward {'all_to_all_single': 1}
-graph 7 submod_0 in GroupedExperts.forward (moe.py:68) [2x32x16,2,32x16,...] params 0 #1 forward {'all_to_all_single': 1}""")
+graph 14 submod_0 in GroupedExperts.forward (moe.py:71) [2x32x16,2,32x16,...] params 0 #1 backward {'all_to_all_single': 1}
+graph 14 submod_0 in GroupedExperts.forward (moe.py:71) [2x32x16,2,32x16,...] params 0 #1 forward {'all_to_all_single': 1}
+graph 7 submod_0 in GroupedExperts.forward (moe.py:71) [2x32x16,2,32x16,...] params 0 #1 backward {'all_to_all_single': 1}
+graph 7 submod_0 in GroupedExperts.forward (moe.py:71) [2x32x16,2,32x16,...] params 0 #1 forward {'all_to_all_single': 1}""")
     # what the expert partition's parameter set is known by: Dynamo traces `to_local()` inside the frame, so the
     # partition receives the FSDP2-unsharded DTensor parameter itself (registered, told by object), not the per-call
     # local tensor (that one reaches a partition only across a frame boundary: tests/test_param_sets.py)
@@ -295,8 +295,8 @@ graph 7 submod_0 in GroupedExperts.forward (moe.py:68) [2x32x16,2,32x16,...] par
 ['argument `self._modules.inner_experts._parameters.w1_EFD` (read at moe.py:71)', True]
 ['argument `self._modules.inner_experts._parameters.w1_EFD` (read at moe.py:71)', True]""")
     assert_expected_inline("\n".join(str(p) for p in ranks[0]["partitions"]), """\
-['graph 14 submod_0', 'GroupedExperts.forward (moe.py:68)', 1, 0, 3, 5]
-['graph 7 submod_0', 'GroupedExperts.forward (moe.py:68)', 1, 0, 3, 5]""")
+['graph 14 submod_0', 'GroupedExperts.forward (moe.py:71)', 1, 0, 3, 5]
+['graph 7 submod_0', 'GroupedExperts.forward (moe.py:71)', 1, 0, 3, 5]""")
 
 
 if __name__ == "__main__":

@@ -49,11 +49,24 @@ _FRAME_FUNCTION = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _RESUMED = re.compile(r"torch_dynamo_resume_in_(\w+)_at_(\d+)$")
 
 
+def _ops(gm: fx.GraphModule) -> List[fx.Node]:
+    """A graph's op nodes: what its labels look at. A split partition's placeholder keeps the meta of the op before
+    it that made the value (another module's code)."""
+    return [node for node in gm.graph.nodes if node.op in ("call_function", "call_method", "call_module")]
+
+
+def first_location(gm: fx.GraphModule) -> Optional[str]:
+    """The user's file:line of a graph's first op with a stack trace (node_location)."""
+    return next((loc for loc in map(node_location, _ops(gm)) if loc), None)
+
+
 def frame_name(gm: fx.GraphModule) -> str:
     """Where a graph's code lives, for labels: the user's function running its first op, with the module class
     (`MoE.forward (moe.py:142)`; a frame Dynamo resumed after a graph break reads `fn, resumed after line N`).
-    Code of torch's own modules (nn.Sequential) has no stack trace: then the module's class and path."""
-    for node in gm.graph.nodes:
+    Code of torch's own modules (nn.Sequential) has no stack trace: then the module's class and path. Only its ops
+    are looked at (_ops)."""
+    ops = _ops(gm)
+    for node in ops:
         frames = _FRAME_FUNCTION.findall(node.meta.get("stack_trace") or "")
         if not frames:
             continue
@@ -65,7 +78,7 @@ def frame_name(gm: fx.GraphModule) -> str:
         users = [cls for _, cls in module_stack(node) if not getattr(cls, "__module__", "torch").startswith("torch.")]
         owner = f"{getattr(users[-1], '__name__', users[-1])}." if users else ""  # the module whose code runs
         return f"{owner}{function} ({os.path.basename(path)}:{line})"
-    for node in gm.graph.nodes:
+    for node in ops:
         stack = module_stack(node)
         if stack:
             path, cls = stack[-1]

@@ -86,13 +86,17 @@ _LESSON_RUN = object()  # the source of a lesson's eager outputs (GraphFamily._f
 
 
 def _stop_stealing(kept: GraphInstance, runtime: Any) -> None:
-    """`kept`'s grads were kept past their step. A loop that keeps the grads one backward graph stole as .grad
-    into the next forward (zero_grad after the forward, as a GAN's generator step does) keeps every layer's: each
-    backward graph whose stolen grads are held now learns it at once, rather than one eager step per partition."""
+    """`kept`'s grads were kept past their step. A loop that keeps one backward graph's grads keeps every layer's
+    (grads stolen as .grad kept into the next forward, zero_grad after it as in a GAN's generator step; or
+    `torch.autograd.grad`'s results kept for a comparison): each backward graph whose grads are held now learns it
+    at once. One at a time, each partition would learn it a step after the one before it, and every step would
+    capture new instances of the partitions after it (its outputs then come at new addresses)."""
     kept.stop_stealing()
     for graph in runtime.live_graphs():
-        if graph.kind == "backward" and graph.steal and not graph.in_backward_pass and graph.claim.held():
-            graph.stop_stealing()
+        if graph.kind == "backward" and not graph.in_backward_pass and graph.claim.held():
+            graph.family.learn_held(graph)
+            if graph.steal:
+                graph.stop_stealing()
 
 
 def _lesson_outputs(out: Any, args: Sequence[Any]) -> Any:
