@@ -2,7 +2,8 @@
 non-reentrant gradient checkpointing (issue 28): HF Mixtral with fp32 weights (its grouped-mm fallback keeps a
 partition output on its autograd context) in the ordinary loop that keeps `loss` alive, with 2 micro-batches of
 gradient accumulation, Llama / Mixtral with gradient_checkpointing_enable(use_reentrant=False), and Llama fed new
-sequence lengths (the frame Dynamo compiled first, for one length, releases its graphs once superseded)."""
+sequence lengths (the frame Dynamo compiled first, for one length, releases its graphs once superseded), and
+Llama trained from `torch.autograd.grad` with the last two steps' grads kept."""
 
 import copy
 
@@ -160,3 +161,30 @@ def test_llama_with_new_sequence_lengths_releases_the_static_frames_graphs_and_t
     assert not {g["label"] for g in first_frame} & {g["label"] for g in st["graphs"]}
     assert st["graphs_captured"] == len(first_frame) + len(st["graphs"]) and st["eager_fallbacks"] == []
     assert all(g["steady_replays"] > 0 for g in st["graphs"]), st["graphs"]  # the symbolic frame's, each reused
+
+
+def test_llama_autograd_grad_kept_two_steps_learns_in_one_step():
+    """HF Llama, grads from `torch.autograd.grad` applied by hand, the last two steps' grads kept: every kept grad
+    equals eager's, and the partitions learn their backward's grads are kept at one step (learnt one partition a
+    step: 5 instances each and not one replay in 12 steps)."""
+    torch._dynamo.reset()
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="cudagraph_modules", options=OPTIONS)
+    cgcompile.reset_stats()
+    kept_ref, kept = [], []
+    for step in range(12):
+        ids = tokens(step)
+        grads = [torch.autograd.grad(fn(input_ids=ids, labels=ids).loss, list(m.parameters()))
+                 for fn, m in ((reference, reference), (compiled, model))]
+        with torch.no_grad():
+            for m, gs in zip((reference, model), grads):
+                for p, g in zip(m.parameters(), gs):
+                    p.sub_(0.05 * g)
+        kept_ref, kept = (kept_ref + [grads[0]])[-2:], (kept + [grads[1]])[-2:]
+        for expected, got in zip(kept_ref, kept):
+            for e, g in zip(expected, got):
+                torch.testing.assert_close(g, e, rtol=0, atol=0)
+    st = cgcompile.stats()
+    assert st["eager_fallbacks"] == []
+    assert [(p["captures"], p["replays"]) for p in st["partitions"]] == [(2, 6)] * 4, st["partitions"]
