@@ -95,8 +95,9 @@ class BackwardFamily(GraphFamily):
         bw = instance.bw
         bw.note_grads(self._grads_cleared(instance))
         # An arena's memory is shared with other sizes: hand out aliases, whose lives the arena can see (autograd
-        # may hold a returned grad in an input buffer until another size's backward has run).
-        out = self.part.benefit.replay(bw, args, bw.steal or bw.arena is not None, self.copied_outputs)
+        # may hold a returned grad in an input buffer until another size's backward has run), until a grad kept as
+        # .grad into the next forward shows the loop keeps them (GraphFamily._lesson): copied from then on.
+        out = self.part.benefit.replay(bw, args, bw.hands_out_aliases, self.copied_outputs)
         runtime.mark_in_flight(bw)
         return out
 

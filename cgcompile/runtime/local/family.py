@@ -93,9 +93,9 @@ def _stop_stealing(kept: GraphInstance, runtime: Any) -> None:
     capture new instances of the partitions after it (its outputs then come at new addresses)."""
     kept.stop_stealing()
     for graph in runtime.live_graphs():
-        if graph.kind == "backward" and not graph.in_backward_pass and graph.claim.held():
+        if graph.kind == "backward" and not graph.in_backward_pass and graph.held():
             graph.family.learn_held(graph)
-            if graph.steal:
+            if graph.hands_out_aliases:
                 graph.stop_stealing()
 
 
@@ -239,8 +239,9 @@ class GraphFamily:
                 if self.learn_held(held):
                     lesson = "outputs kept"
             elif blocker.kind == "backward":
-                # (a grad autograd still reads in its backward pass, e.g. in a checkpoint's recompute, is not kept)
-                if (not blocker.in_backward_pass and blocker.family.learn_held(blocker)) or blocker.steal:
+                # (not kept: a grad autograd still reads in its pass, as in a checkpoint's recompute; kept: held after)
+                if blocker.steal or not blocker.in_backward_pass and (
+                        blocker.family.learn_held(blocker) or blocker.hands_out_aliases):
                     _stop_stealing(blocker, self.part.runtime)
                     lesson = "grads kept"
             elif blocker.family.learn_held(blocker):  # a graph held after this one: a holder its family learns
@@ -312,9 +313,8 @@ class GraphFamily:
 
     def remove(self, graph: GraphInstance) -> None:
         """Forget a forward/inference instance (released or stale; the runtime gives its memory back)."""
-        for instances in self.instances.values():
-            if graph in instances:
-                instances.remove(graph)
+        for instances in (group for group in self.instances.values() if graph in group):
+            instances.remove(graph)
 
     def forget(self, graph: GraphInstance) -> None:
         """Forget a released graph of this family: a forward/inference instance, or a backward graph alone (the

@@ -203,6 +203,12 @@ class GraphInstance:
         """Backward: hand out aliases AccumulateGrad may keep as .grad (grads seen cleared twice, never kept)."""
         return self.cleared_streak >= 2 and not self.grads_kept
 
+    @property
+    def hands_out_aliases(self) -> bool:
+        """Backward: are its grads handed out as aliases AccumulateGrad may keep as .grad? Stolen ones (`steal`), and
+        an output arena's (memory shared with other sizes, whose lives the arena sees), until one is found kept."""
+        return self.steal or (self.arena is not None and not self.grads_kept)
+
     def held_by_itself(self) -> bool:
         """Is this graph's own memory in use (held() without the output arena it shares)? What a release asks: a
         member of an arena another size's output holds may go, the arena staying with its other members (and a
