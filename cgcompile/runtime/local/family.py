@@ -85,18 +85,24 @@ _LESSON_RUN = object()  # the source of a lesson's eager outputs (GraphFamily._f
 # them runs eagerly too, rather than capture an instance for an address it will not see again
 
 
-def _stop_stealing(kept: GraphInstance, runtime: Any) -> None:
-    """`kept`'s grads were kept past their step. A loop that keeps one backward graph's grads keeps every layer's
-    (grads stolen as .grad kept into the next forward, zero_grad after it as in a GAN's generator step; or
-    `torch.autograd.grad`'s results kept for a comparison): each backward graph whose grads are held now learns it
-    at once. One at a time, each partition would learn it a step after the one before it, and every step would
-    capture new instances of the partitions after it (its outputs then come at new addresses)."""
-    kept.stop_stealing()
+def _learn_grads_kept(blocker: GraphInstance, runtime: Any) -> bool:
+    """Does backward graph `blocker`, held, show the loop keeps its grads past their step (True: learnt)? Not a
+    grad autograd still reads in its pass (a checkpoint's recompute); stolen ones, those of the last replay still
+    referenced (learnt as copies), and an output arena's views held after the pass are. Then a loop that keeps one
+    backward graph's grads keeps every layer's (grads stolen as .grad kept into the next forward, zero_grad after
+    it as in a GAN's generator step; or `torch.autograd.grad`'s results kept for a comparison): each backward
+    graph whose grads are held learns it at once. One at a time, each partition would learn it a step after the
+    one before it, and every step would capture new instances of the partitions after it (at new addresses)."""
+    if not (blocker.steal or not blocker.in_backward_pass and (blocker.family.learn_held(blocker)
+                                                               or blocker.hands_out_aliases)):
+        return False
+    blocker.stop_stealing()
     for graph in runtime.live_graphs():
         if graph.kind == "backward" and not graph.in_backward_pass and graph.held():
             graph.family.learn_held(graph)
             if graph.hands_out_aliases:
                 graph.stop_stealing()
+    return True
 
 
 def _lesson_outputs(out: Any, args: Sequence[Any]) -> Any:
@@ -239,10 +245,7 @@ class GraphFamily:
                 if self.learn_held(held):
                     lesson = "outputs kept"
             elif blocker.kind == "backward":
-                # (not kept: a grad autograd still reads in its pass, as in a checkpoint's recompute; kept: held after)
-                if blocker.steal or not blocker.in_backward_pass and (
-                        blocker.family.learn_held(blocker) or blocker.hands_out_aliases):
-                    _stop_stealing(blocker, self.part.runtime)
+                if _learn_grads_kept(blocker, self.part.runtime):
                     lesson = "grads kept"
             elif blocker.family.learn_held(blocker):  # a graph held after this one: a holder its family learns
                 lesson = "outputs kept"
@@ -313,8 +316,9 @@ class GraphFamily:
 
     def remove(self, graph: GraphInstance) -> None:
         """Forget a forward/inference instance (released or stale; the runtime gives its memory back)."""
-        for instances in (group for group in self.instances.values() if graph in group):
-            instances.remove(graph)
+        for instances in self.instances.values():
+            if graph in instances:
+                instances.remove(graph)
 
     def forget(self, graph: GraphInstance) -> None:
         """Forget a released graph of this family: a forward/inference instance, or a backward graph alone (the
