@@ -67,7 +67,7 @@ def test_a_size_grown_by_the_same_amount_at_every_new_size_is_named_after_a_pref
     prefill = [(w, torch.zeros(2, 6, 8), torch.zeros(2, 0, 16), 0, torch.zeros(2, 6))]
     decode = [(w, torch.zeros(2, 1, 8), torch.zeros(2, t, 16), t, torch.zeros(2, t + 1)) for t in range(6, 14)]
     positions, keys = _keys(prefill + decode)
-    assert growing_size(keys, positions, NAMES) == (
+    assert growing_size(keys, positions, NAMES).text == (
         "argument `cache` dim 1 grew by 1 at each new size (6, 7, 8, ..., 12, 13), and 1 other input with it")
     assert growing_size(keys[:MIN_STEPS], positions, NAMES) is None  # the prefill and too few decode steps
     assert growing_size(keys[:MIN_STEPS + 1], positions, NAMES) is not None
@@ -78,7 +78,8 @@ def test_sizes_the_data_picks_or_that_differ_otherwise_are_no_growth():
     picked = [(w, torch.zeros(rows, 8)) for rows in (9, 5, 12, 4, 10, 7)]  # rows selected by nonzero, say
     assert growing_size(*_keys(picked)[::-1], NAMES) is None
     by_two = [(w, torch.zeros(rows, 8)) for rows in (4, 6, 8, 10)]
-    assert growing_size(*_keys(by_two)[::-1], NAMES) == "argument `x` dim 0 grew by 2 at each new size (4, 6, 8, 10)"
+    assert growing_size(*_keys(by_two)[::-1], NAMES) == (
+        "argument `x` dim 0 grew by 2 at each new size (4, 6, 8, 10)", False)
     shrinking = [(w, torch.zeros(rows, 8)) for rows in (10, 8, 6, 4)]
     assert growing_size(*_keys(shrinking)[::-1], NAMES) is None
     dtypes = [(w, torch.zeros(rows, 8, dtype=torch.float16 if rows % 2 else torch.float32)) for rows in (4, 5, 6, 7)]

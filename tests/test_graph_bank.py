@@ -147,6 +147,23 @@ class TestSizesThatDoNotRepeat(expecttest.TestCase):
         self.assertExpectedInline(re.sub(r"test_graph_bank.py:\d+", "test_graph_bank.py:N", row["stopped"]), """6 of the 6 input sizes judged so far came once and not again: its input sizes do not repeat: argument `cache` (read at test_graph_bank.py:N) dim 1 grew by 1 at each new size (5, 6, 7, ..., 13, 14), a sequence growing at every step (e.g. a KV cache concatenated at each decode step, or a growing batch); new sizes run eagerly, the graphs it has keep replaying. Fix: a cache of fixed size written in place at each step's positions, so every step has the same sizes (transformers: generate(..., cache_implementation="static")), or capture_sizes=[...] when it is a batch dimension.""")
 
 
+    def test_a_start_position_passed_as_an_int_is_named_with_the_mask_fix(self):
+        """Meta's reference Llama decodes with `forward(tokens, start_pos: int)`: its cache is fixed and written in
+        place, but attention reads `cache[:, :start_pos + 1]`, a new length at every step. What grew is the
+        integer, not a tensor's dimension, and a static cache is no fix: the message says so and names the fix
+        (the position as a tensor, the whole cache read under a mask). Exact throughout."""
+        model = StartPosCacheStep().eval()
+        reference = copy.deepcopy(model)
+        run = compiled(model, inference_cuda_graph_scope="layer")
+        with torch.no_grad(), self.assertLogs("cgcompile", level="WARNING") as logs:
+            for position in range(16):
+                x = torch.randn(2, 1, 8, generator=torch.Generator().manual_seed(position))
+                self.assertTrue(torch.equal(run(x, position), reference(x, position)))
+                self.assertTrue(torch.equal(model.cache, reference.cache))
+        [row] = [p for p in cgcompile.stats()["partitions"] if p["stopped"]]
+        self.assertEqual(len([m for m in logs.output if "stops capturing" in m]), 1)
+        self.assertExpectedInline(re.sub(r"test_graph_bank.py:\d+", "test_graph_bank.py:N", row["stopped"]), """6 of the 6 input sizes judged so far came once and not again: its input sizes do not repeat: argument `start_pos` (read at test_graph_bank.py:N), an integer, grew by 1 at each new value (1, 2, 3, ..., 9, 10), a sequence growing at every step (e.g. a decode step's start position); new sizes run eagerly, the graphs it has keep replaying. Fix: pass the position as a tensor (as transformers' cache_position) and read the whole fixed-size cache with a mask of the positions written so far, so no size depends on its value (a slice such as cache[:, :start_pos + n] has a new length at every step).""")
+
     def test_a_new_size_compiles_only_when_it_comes_again(self):
         """At the default warmup, a new size's first call runs uncompiled (one of its warmup calls) and the size
         compiles at its second call, so sizes that never come back cost no aot compile (the growing cache
@@ -229,6 +246,23 @@ class ConcatCacheStep(nn.Module):
         k, v = cache.split(8, dim=-1)
         weights = torch.softmax(self.q(x) @ k.transpose(1, 2), dim=-1)
         return weights @ v, cache
+
+
+class StartPosCacheStep(nn.Module):
+    """One attention step over a fixed cache written in place at `start_pos`, read up to it by a slice (the
+    reference Llama's decode)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.kv = nn.Linear(8, 8), nn.Linear(8, 16)
+        self.register_buffer("cache", torch.zeros(2, 32, 16))
+
+    def forward(self, x: torch.Tensor, start_pos: int):
+        self.cache[:, start_pos:start_pos + 1] = self.kv(x)
+        k, v = self.cache[:, :start_pos + 1].split(8, dim=-1)
+        weights = torch.softmax(self.q(x) @ k.transpose(1, 2), dim=-1)
+        return weights @ v
 
 
 def test_moe_with_new_sizes_every_step_holds_memory_that_does_not_grow():

@@ -30,7 +30,7 @@ The rules (thresholds chosen by measurement, docs/graph-bank.md), in rounds of t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 __all__ = ["JUDGE_AFTER", "RELEASE_WINDOW", "SIZES_KEPT_AFTER_STOP", "STORM_STREAK", "WASTED_TO_STOP", "BankCounters",
            "cycle", "is_judged", "is_stale", "mostly_wasted", "never_warm", "recapture_streak", "stop_message", "storm",
@@ -124,14 +124,17 @@ def cycle(graphs: int, sizes: int) -> int:
     return max(1, graphs, sizes)
 
 
-def stop_message(reason: str, growth: Optional[str] = None) -> str:
+def stop_message(reason: str, growth: Optional[Tuple[str, bool]] = None) -> str:
     """What a partition that stops capturing new sizes says (logged once, in stats()["bank_stops"]), with the fix:
-    `growth` (size_trend.growing_size) when a size grew by a fixed amount at every new size, a sequence whose
-    sizes never come back; else sizes from the data."""
+    `growth` (size_trend.Growth: what grew, and whether only an integer did) when a size grew by a fixed amount at
+    every new size, a sequence whose sizes never come back; else sizes from the data."""
     if growth is not None:
-        return (f"{reason}: its input sizes do not repeat: {growth}, a sequence growing at every step (e.g. a KV "
-                f"cache concatenated at each decode step, or a growing batch); new sizes run eagerly, the graphs it "
-                f"has keep replaying. {_GROWTH_FIX_HINT}")
+        text, integer = growth
+        example = ("a decode step's start position" if integer else
+                   "a KV cache concatenated at each decode step, or a growing batch")
+        return (f"{reason}: its input sizes do not repeat: {text}, a sequence growing at every step (e.g. {example}); "
+                f"new sizes run eagerly, the graphs it has keep replaying. "
+                f"{_INTEGER_GROWTH_FIX_HINT if integer else _GROWTH_FIX_HINT}")
     return (f"{reason}: its input sizes do not repeat (e.g. rows selected by nonzero before a graph break); new sizes "
             f"run eagerly, the graphs it has keep replaying. {_FIX_HINT}")
 
@@ -142,3 +145,6 @@ _FIX_HINT = ("Fix: dynamic_padding='buckets' (or 'max') with torch._dynamo.confi
 _GROWTH_FIX_HINT = ("Fix: a cache of fixed size written in place at each step's positions, so every step has the same "
                     "sizes (transformers: generate(..., cache_implementation=\"static\")), or capture_sizes=[...] when "
                     "it is a batch dimension.")
+_INTEGER_GROWTH_FIX_HINT = ("Fix: pass the position as a tensor (as transformers' cache_position) and read the "
+                            "whole fixed-size cache with a mask of the positions written so far, so no size depends "
+                            "on its value (a slice such as cache[:, :start_pos + n] has a new length at every step).")

@@ -12,15 +12,24 @@ two apart. Pure: it reads keys, positions and names only.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from .key import MODE_FIELDS
 
-__all__ = ["MIN_STEPS", "growing_size"]
+__all__ = ["MIN_STEPS", "Growth", "growing_size"]
 
 MIN_STEPS = 3  # sizes in a row, each grown by the same amount from the one before, before a growth is named
+
+
+class Growth(NamedTuple):
+    """What grew at every new size: `text` names it for the log; `integer` when no tensor grew, only an integer
+    the code reads (a start position passed as a Python int that slices a fixed cache: the cache is already
+    static, the slice's length is what varies, so the fix differs from a concatenated cache's)."""
+
+    text: str
+    integer: bool
 
 
 def _sizes(argument: Any) -> Optional[Tuple[Tuple[int, ...], bool]]:
@@ -62,11 +71,12 @@ def _step(values: List[int]) -> Optional[int]:
     return steps.pop() if len(steps) == 1 and min(steps) > 0 else None
 
 
-def growing_size(keys: Sequence[tuple], positions: Sequence[int], names: Sequence[str]) -> Optional[str]:
+def growing_size(keys: Sequence[tuple], positions: Sequence[int], names: Sequence[str]) -> Optional[Growth]:
     """Bank keys in the order their sizes first came (`positions`: the argument positions a key reads after its
     modes, BankKey.dynamic; `names`: per partition input, how logs name it). When the latest MIN_STEPS or more of
     them differ only in sizes, each grown by a fixed amount from one key to the next (earlier keys, a prefill's
-    say, may differ otherwise), what grew: "argument `x` dim 2 grew by 1 at each new size (7, 8, 9)"; else None."""
+    say, may differ otherwise), what grew: "argument `x` dim 2 grew by 1 at each new size (7, 8, 9)", or "argument
+    `start_pos`, an integer, grew by 1 at each new value (7, 8, 9)" when no tensor did; else None."""
     for start in range(len(keys) - MIN_STEPS + 1):
         changes = _changes(keys[start:], positions)
         steps = {where: _step(values) for where, values in (changes or {}).items()}
@@ -79,6 +89,8 @@ def growing_size(keys: Sequence[tuple], positions: Sequence[int], names: Sequenc
         name = names[position] if position < len(names) else f"argument {position}"
         others = len({where[0] for where in changes if where[2]} - {position})  # tensors; a size symbol is no news
         also = f", and {others} other input{'s' if others > 1 else ''} with it" if others else ""
-        return (f"{name} dim {dim} grew by {steps[best]} at each new size ({', '.join(map(str, shown))})"
-                f"{also}")
+        sizes = ", ".join(map(str, shown))
+        if not best[2]:
+            return Growth(f"{name}, an integer, grew by {steps[best]} at each new value ({sizes})", True)
+        return Growth(f"{name} dim {dim} grew by {steps[best]} at each new size ({sizes}){also}", False)
     return None

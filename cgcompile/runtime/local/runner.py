@@ -39,7 +39,7 @@ from ...counters import record
 from ..bank import policy as bank_policy
 from ..bank.key import BankKey, ParamSetIdentity
 from ..bank.ledger import BankLedger
-from ..bank.size_trend import growing_size
+from ..bank.size_trend import Growth, growing_size
 from ..drivers.base import Driver
 from ..memory.arena_sizing import ArenaSizing
 from .benefit import BenefitProbe
@@ -207,7 +207,7 @@ class PartitionRunner:
             ledger.new_size(key, param_set)
         return entry
 
-    def growing_size(self) -> Optional[str]:
+    def growing_size(self) -> Optional[Growth]:
         """Which input size grew by a fixed amount at each new size of the bank, if one did (size_trend.py)."""
         return growing_size(list(self.ledger.sizes_seen), self.keys.dynamic or (), self.inputs.input_names)
 
