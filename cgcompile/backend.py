@@ -41,6 +41,7 @@ from .rewrites.shared_inputs import share_inputs
 from .scope import LayerScope, ScopedFrame, scope_config
 from .split import call_directly, plain_forward, replace_submodule, split
 from .tagging import tag_of
+from .untraced import skip_own_frames
 
 register_with_torch_logs()
 
@@ -79,6 +80,7 @@ def cudagraph_modules(gm: fx.GraphModule, example_inputs: List[Any], options: Op
     if unused:
         raise ConfigError(f"unexpected backend arguments {sorted(unused)}; pass settings as options={{...}}")
     config = CudaGraphConfig.from_options(options)
+    skip_own_frames()  # before any graph of ours runs: Dynamo never traces cgcompile's own code (untraced.py)
     root = frame_root()
     anchor_module_stacks(gm, root)  # a frame after a graph break inside a module starts at that module
     model = running_model()

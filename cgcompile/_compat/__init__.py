@@ -20,8 +20,9 @@ __all__ = ["ADDRESS_CHECK_IMPL", "ADDRESS_CHECK_IMPLS", "AddressCheck", "any_aut
            "cuda_release_pool", "compile_id", "direct_inference", "donated_inputs", "dynamo_frame",
            "fsdp2_keep_unsharded", "fsdp2_params", "fsdp2_restore_free", "FsdpParam", "functorch_level",
            "generator_capture_state_outlives_failure", "increment_versions", "is_unregistered_generator_error",
-           "is_wrapper_subclass", "pop_functorch_level", "resolve_overload", "set_grad_enabled", "set_versions",
-           "storage_key", "storage_use_count", "storage_weak_ref", "TorchDispatchMode", "tree_flatten",
+           "is_wrapper_subclass", "never_traced", "pop_functorch_level", "resolve_overload", "set_grad_enabled",
+           "set_versions", "skip_frames_of", "storage_key", "storage_use_count", "storage_weak_ref",
+           "TorchDispatchMode", "tree_flatten",
            "tree_unflatten"]
 
 # torch.utils._pytree: the pytree helpers torch.compile itself uses; private module, stable API; checked 2.11, 2.13.
@@ -34,6 +35,23 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from .cuda import (cuda_end_allocate_to_pool, cuda_release_pool, generator_capture_state_outlives_failure,  # noqa: E402
                    is_unregistered_generator_error)
 from .fsdp import FsdpParam, fsdp2_keep_unsharded, fsdp2_params, fsdp2_restore_free  # noqa: E402
+
+
+def skip_frames_of(module_names: Sequence[str]) -> None:
+    """Dynamo runs the frames of these modules (a package: every module under it) as written, never tracing them,
+    as it does torch's own: torch._dynamo.trace_rules.add (private; its skip list, what Dynamo checks per code
+    object once; checked 2.11, 2.13)."""
+    from torch._dynamo import trace_rules
+
+    for name in module_names:
+        trace_rules.add(name)
+
+
+def never_traced(fn: Callable) -> Callable:
+    """`fn`, run with Dynamo's frame hook off, for it and everything it calls: torch.compiler.disable(recursive=True)
+    (public). For what autograd calls during a backward pass that a compiled frame started (a graph break at
+    `loss.backward()`): the hook is still set there, so the graph code `fn` runs would be traced as a new frame."""
+    return torch.compiler.disable(fn, recursive=True)
 
 
 def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
@@ -70,8 +88,9 @@ def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
         def compiler(kind: str) -> Callable:
             def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
                 direct = direct_inference(gm, num_args) if kind == "inference" and not wrapped else None
-                return boxed(make_runner(kind, lambda graph_args: gm(*graph_args), gm, direct))
-            return compile_graph
+                return boxed(untraced_in_backward(kind, make_runner(kind, lambda graph_args: gm(*graph_args), gm,
+                                                                     direct)))
+            return untraced_in_backward(kind, compile_graph)
 
         with tracing(TracingContext(FakeTensorMode())):
             return aot_module_simplified(mod, list(args), fw_compiler=compiler("forward"),
@@ -96,6 +115,15 @@ def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],
     with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch({"triton.cudagraphs": False}), \
             context:  # compile_fx returns aot_module_simplified's positional forward for a GraphModule
         return compile_fx(mod, list(args), inner_compile=inner_compile, **cached)
+
+
+def untraced_in_backward(kind: str, fn: Callable) -> Callable:
+    """A backward graph's compiler (aot runs it lazily, inside the first backward pass) and runner never_traced;
+    a forward or inference one as it is (Dynamo's compiled code calls it with the hook off already). What torch's
+    own aot_autograd backend does to both (torch/_dynamo/backends/common.py, "Wrapping bw_compiler in disable";
+    checked 2.13), so compile_fx (the Inductor inner compiler) needs nothing here; aot_module_simplified,
+    called directly, does not do it."""
+    return never_traced(fn) if kind == "backward" else fn
 
 
 def direct_inference(gm: torch.fx.GraphModule, num_args: int) -> Optional[tuple]:
