@@ -42,7 +42,8 @@ def test_bench_cpu_quick_table():
     assert float(held.split("/")[1]) < float(own)  # bucket sizes that repeat share their outputs' memory
     replay = out.split("(g) host time per replay")[1].split("(g) reuse")[0].splitlines()[1:5]
     for row in replay:  # timings: informational on a shared CPU, but each verdict agrees with its printed ratio
-        m = re.search(r": (\d+\.\d+)x, goal <= (\d+\.\d+)x  (PASS|MISS)$", row)
+        # (a cost over a bound, a difference of medians, comes out below 0 when the quick run's noise exceeds it)
+        m = re.search(r": (-?\d+\.\d+)x, goal <= (\d+\.\d+)x  (PASS|MISS)$", row)
         assert m, row
         assert m[3] == ("PASS" if float(m[1]) <= float(m[2]) else "MISS"), row
     heading, *lean = out.split("(g) lean step")[1].splitlines()[:6]
