@@ -21,11 +21,23 @@ from . import _compat
 FRAME_ROOT_KEY = "cgcompile_frame_root"  # key prefix of the entries prepended to each node's nn_module_stack
 
 
+def _receiver(code, f_locals) -> object:
+    """A method's `self`, whatever the code names it: `self` when it has one, else its first positional argument
+    (`def forward(s, x)`), else None."""
+    if code is None:
+        return None
+    if "self" in code.co_varnames:
+        return f_locals.get("self")
+    return f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+
+
 def running_model() -> Optional[nn.Module]:
     """The outermost `self` that is an nn.Module among the Python frames now running (the user's model)."""
     outermost = None
     frame = sys._getframe(1)
     while frame is not None:
+        # `self` only: torch's own call frames (Module._call_impl, a compiled wrapper's) always name it so, and a
+        # first argument would find a backend's GraphModule
         candidate = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
         if isinstance(candidate, nn.Module):
             inner = getattr(candidate, "_orig_mod", None)  # torch.compile's wrapper: its model is the root
@@ -39,8 +51,8 @@ def _caller_self(code) -> Optional[nn.Module]:
     the frame that calls the resume function."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_filename == code.co_filename and "self" in frame.f_code.co_varnames:
-            candidate = frame.f_locals.get("self")
+        if frame.f_code.co_filename == code.co_filename:
+            candidate = _receiver(frame.f_code, frame.f_locals)
             if isinstance(candidate, nn.Module):
                 return candidate
         frame = frame.f_back
@@ -50,7 +62,7 @@ def _caller_self(code) -> Optional[nn.Module]:
 def _frame_self() -> Optional[nn.Module]:
     """The module whose method Dynamo is compiling, or None."""
     code, f_locals, resume = _compat.dynamo_frame()
-    root = f_locals.get("self")
+    root = f_locals.get("self") if resume else _receiver(code, f_locals)
     if not isinstance(root, nn.Module) and resume:
         root = _caller_self(code)  # `self` unused after the break: the resumed method's frame still holds it
     return root if isinstance(root, nn.Module) else None

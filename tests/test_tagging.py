@@ -194,3 +194,65 @@ def test_explain_keeps_module_paths_and_tags_after_a_graph_break():
     assert len(parts) == 2
     for part in parts:
         assert (part.kind, part.tags, part.module) == ("capture", ("blk",), "layers.0")
+
+
+@cgcompile.tag("blk")
+class HookedBlock(nn.Module):
+    """A tagged block whose methods name their receiver `s`, not `self` (legal, and seen in research code)."""
+
+    def __init__(s):
+        super().__init__()
+        s.up, s.down = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(s, x):
+        return x + s.down(torch.relu(s.up(x)))
+
+
+class HookedStack(nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.layers = nn.ModuleList([HookedBlock() for _ in range(2)])
+        s.head = nn.Linear(4, 2)
+
+    def forward(s, x):
+        for layer in s.layers:
+            x = layer(x)
+        return s.head(x).square().mean()
+
+
+def test_tagged_blocks_with_full_backward_hooks_are_frames_of_their_own_and_keep_their_tags():
+    """A full backward hook on a module (a gradient logger) makes Dynamo run the module's call eagerly and compile
+    its forward as a frame of its own: the frame's root is the block, found by its receiver (here `s`: before, only
+    a receiver named `self` was, and the blocks ran untagged, nothing captured, nothing said). Captured and
+    replayed; the loss, the grads and what each hook saw are eager's."""
+    torch.manual_seed(0)
+    model = HookedStack()
+    reference = copy.deepcopy(model)
+    seen = {id(model): [], id(reference): []}
+    for m in (model, reference):
+        for layer in m.layers:
+            layer.register_full_backward_hook(lambda mod, gin, gout, log=seen[id(m)]: log.append(gout[0].clone()))
+    compiled = torch.compile(model, backend="cudagraph_modules",
+                             options={"driver": "emulate", "cuda_graph_modules": ["blk"], "min_partition_ops": 1,
+                                      "cuda_graph_warmup_steps": 1})
+    cgcompile.reset_stats()
+    with record_plans() as rec:
+        for step in range(6):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+            for m in (model, reference):
+                m.zero_grad(set_to_none=True)
+            loss, ref = compiled(x), reference(x)
+            loss.backward()
+            ref.backward()
+            torch.testing.assert_close(loss, ref, rtol=0, atol=0)
+            for p, q in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    assert len(seen[id(model)]) == len(seen[id(reference)]) == 12
+    for got, want in zip(seen[id(model)], seen[id(reference)]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    blocks = {(p.module, p.kind, p.tags) for plan in rec.graphs for p in plan.partitions if p.tags}
+    assert blocks >= {("layers.0", "capture", ("blk",)), ("layers.1", "capture", ("blk",))}, blocks
+    before = cgcompile.stats()["steady_replays"]
+    model.zero_grad(set_to_none=True)
+    compiled(torch.randn(3, 4)).backward()
+    assert cgcompile.stats()["steady_replays"] - before == 4  # both blocks' forward and backward replayed
