@@ -133,3 +133,80 @@ def test_layer_scope_copies_what_every_layer_reads_in_once_per_step():
     assert counted.graph_ops.get("aten.clone.default") == 2, counted.graph_ops
     graphs, st = assert_decode_matches_eager(options)
     assert st["eager_fallbacks"] == [] and st["steady_replays"] >= (STEPS - 5) * len(graphs[0].captured)
+
+
+MAX_POSITIONS = 16
+
+
+@cgcompile.tag("attn")
+class CacheArgAttention(torch.nn.Module):
+    """Attention whose KV cache the caller allocates and passes in (gpt-fast's style), written at `positions`."""
+
+    def __init__(self, width: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+
+    def forward(self, x, keys, values, positions, mask):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).unbind(2)
+        keys.index_copy_(2, positions, k.transpose(1, 2))
+        values.index_copy_(2, positions, v.transpose(1, 2))
+        y = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
+        return self.out(y.transpose(1, 2).reshape(b, n, d))
+
+
+class CacheArgModel(torch.nn.Module):
+    def __init__(self, layers: int = 2, vocab: int = 32, width: int = 16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(vocab, width), torch.nn.Linear(width, vocab)
+        self.layers = torch.nn.ModuleList([CacheArgAttention(width) for _ in range(layers)])
+
+    def forward(self, tokens, caches, positions):
+        mask = (torch.arange(MAX_POSITIONS) <= positions[:, None])[None, None]
+        x = self.embed(tokens)
+        for layer, (keys, values) in zip(self.layers, caches):
+            x = x + layer(x, keys, values, positions, mask)
+        return self.head(x)[:, -1].argmax(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_cache_passed_in_is_captured_once_marked_static(static):
+    """A cache passed as an argument and written in place is an input a graph would write into its own copy of:
+    its writes stay eager (input_mutation) and the hint names the fix, torch._dynamo.mark_static_address, which
+    then captures the layers and replays them on every later step, reading and writing the caller's cache in place.
+    Token for token and cache for cache equal to eager."""
+    model = CacheArgModel().eval()
+    reference = copy.deepcopy(model)
+
+    def caches():
+        made = [(torch.zeros(2, 2, MAX_POSITIONS, 8), torch.zeros(2, 2, MAX_POSITIONS, 8)) for _ in range(2)]
+        for cache in (t for pair in made for t in pair):
+            if static:
+                torch._dynamo.mark_static_address(cache)
+        return made
+
+    options = {"driver": "emulate", "cuda_graph_modules": ["attn"], "cuda_graph_warmup_steps": 1}
+    compiled = torch.compile(model, backend="cudagraph_modules", options=options)
+    cgcompile.reset_stats()
+    ours, theirs = caches(), caches()
+    token = want = torch.tensor([[1], [2]])
+    with torch.no_grad(), record_plans() as rec:
+        for position in range(12):
+            at = torch.tensor([position])
+            token, want = compiled(token, ours, at), reference(want, theirs, at)
+            assert torch.equal(token, want), position
+            assert all(torch.equal(a, b) for pair, ref in zip(ours, theirs) for a, b in zip(pair, ref))
+    layers = [p for plan in rec.graphs for p in plan.partitions if p.tags == ("attn",)]
+    stats = cgcompile.stats()
+    if not static:
+        assert stats["graphs_captured"] == 0
+        hints = {r.hint for p in layers for r in p.reasons if r.category == "input_mutation"}
+        assert hints and all("mark_static_address" in hint for hint in hints), hints
+        return
+    assert [p.kind for p in layers] == ["capture", "capture"]
+    before = stats["steady_replays"]
+    with torch.no_grad():
+        compiled(token, ours, torch.tensor([12]))
+    assert cgcompile.stats()["steady_replays"] - before == 2 and cgcompile.stats()["eager_fallbacks"] == []

@@ -23,7 +23,9 @@ def find_input_mutations(gm: fx.GraphModule) -> Dict[fx.Node, List[Finding]]:
         if root.op == "placeholder" and not is_static_placeholder(root):
             found[node] = [finding(node, Reason.INPUT_MUTATION,
                                    detail=f"mutates graph input '{root.target}' in place (needs a copy-back)",
-                                   hint="mutate a clone, or register the tensor as a module buffer so it is static")]
+                                   hint="mutate a clone, or make the tensor static: a module buffer, or "
+                                        "torch._dynamo.mark_static_address(t) once before the first call (a cache "
+                                        "the caller allocates once and passes in)")]
     return found
 
 
