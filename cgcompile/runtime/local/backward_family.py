@@ -11,7 +11,8 @@ is captured again after it, once, rather than run eagerly at every step.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import logging
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -19,6 +20,8 @@ from .family import EagerHandout, GraphFamily, forward_call_of
 from .instance import GraphInstance
 
 __all__ = ["BackwardFamily"]
+
+log = logging.getLogger("cgcompile")
 
 
 def _lender_moved(bw: GraphInstance, args: Sequence[Any], memory: Any) -> bool:
@@ -62,6 +65,8 @@ class BackwardFamily(GraphFamily):
         if handout is not None:
             handout.backward_ran()
             return self._run_warming(handout.param_set, args)
+        if instance is None and forward is not None:
+            instance = self._forward_of_replaced(forward)
         if instance is None or not instance.alive:
             return self.run_eagerly(args)  # its forward ran eagerly (cap, fallback) or was released
         instance.backward_ran()
@@ -100,6 +105,25 @@ class BackwardFamily(GraphFamily):
         out = self.part.benefit.replay(bw, args, bw.hands_out_aliases, self.copied_outputs)
         runtime.mark_in_flight(bw)
         return out
+
+    def _forward_of_replaced(self, forward: GraphFamily) -> Optional[GraphInstance]:
+        """The forward instance of a backward whose saved tensors name no forward call and lie in no graph's memory:
+        a saved_tensors_hooks pack and unpack replaced them (activation offloading, `save_on_cpu` on a GPU; a
+        compressing hook). It is the one live instance whose replay still awaits its backward, when exactly one
+        does and the graph serves one parameter set (one layer: a frame shared by several layers would leave the
+        layer unknown); the backward graph captured for it copies those tensors in (they lie in no graph's memory),
+        so nothing pairs it with that instance's memory. Else None: the backward runs eagerly, and with several
+        replays awaiting (forwards in flight) the log says why, once."""
+        pending = [graph for graph in forward.all_instances() if graph.alive and graph.pending_backward]
+        if len(pending) == 1 and len(forward.instances) == 1:
+            return pending[0]
+        if len(pending) > 1 and not getattr(self, "said_unpaired", False):
+            self.said_unpaired = True
+            log.info("cgcompile: %s runs a backward eagerly: the tensors autograd saved for it are not its forward "
+                     "graph's outputs (a saved_tensors_hooks pack may have replaced them, e.g. activation offloading) "
+                     "and %d forward replays await their backward, so none is known to be its forward",
+                     self.part.name, len(pending))
+        return None
 
     @staticmethod
     def _grads_cleared(instance: GraphInstance) -> bool:
