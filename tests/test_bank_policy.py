@@ -8,7 +8,7 @@ import torch
 from cgcompile.runtime.bank import policy as bank_policy
 from cgcompile.runtime.bank.key import BankKey
 from cgcompile.runtime.bank.policy import BankCounters
-from cgcompile.runtime.bank.size_trend import MIN_STEPS, growing_size
+from cgcompile.runtime.bank.size_trend import MIN_STEPS, changing_float, growing_size
 
 
 def test_a_graph_is_stale_only_after_the_window_per_graph_of_its_parameter_set():
@@ -79,7 +79,7 @@ def test_sizes_the_data_picks_or_that_differ_otherwise_are_no_growth():
     assert growing_size(*_keys(picked)[::-1], NAMES) is None
     by_two = [(w, torch.zeros(rows, 8)) for rows in (4, 6, 8, 10)]
     assert growing_size(*_keys(by_two)[::-1], NAMES) == (
-        "argument `x` dim 0 grew by 2 at each new size (4, 6, 8, 10)", False)
+        "argument `x` dim 0 grew by 2 at each new size (4, 6, 8, 10)", "tensor")
     shrinking = [(w, torch.zeros(rows, 8)) for rows in (10, 8, 6, 4)]
     assert growing_size(*_keys(shrinking)[::-1], NAMES) is None
     dtypes = [(w, torch.zeros(rows, 8, dtype=torch.float16 if rows % 2 else torch.float32)) for rows in (4, 5, 6, 7)]
@@ -92,3 +92,18 @@ def test_sizes_the_data_picks_or_that_differ_otherwise_are_no_growth():
         modes.learn((w, torch.zeros(4, 8)))
         keys[2] = modes.of((w, torch.zeros(6, 8)))  # a no_grad call among grad ones
     assert growing_size(keys, positions, NAMES) is None
+
+
+def test_a_float_argument_with_a_new_value_at_every_call_is_named():
+    w = torch.nn.Parameter(torch.zeros(8, 8))
+    x = torch.zeros(2, 8)
+    temperatures = [(w, x, 1.0 + step / 10) for step in range(8)]
+    positions, keys = _keys(temperatures)
+    assert changing_float(keys, positions, NAMES) == (
+        "argument `cache`, a Python float, took a new value at each call (1.2, 1.3, 1.4, 1.5, 1.6, 1.7)", "float")
+    assert growing_size(keys, positions, NAMES) is None  # no size grew
+    assert changing_float(keys[:MIN_STEPS - 1], positions, NAMES) is None
+    cycling = [(w, x, 1.0 + step % 2) for step in range(8)]  # values that come back are not new at every call
+    assert changing_float(*_keys(cycling)[::-1], NAMES) is None
+    grown = [(w, torch.zeros(2 + step, 8), 1.0 + step) for step in range(8)]  # a tensor changed too
+    assert changing_float(*_keys(grown)[::-1], NAMES) is None

@@ -164,6 +164,21 @@ class TestSizesThatDoNotRepeat(expecttest.TestCase):
         self.assertEqual(len([m for m in logs.output if "stops capturing" in m]), 1)
         self.assertExpectedInline(re.sub(r"test_graph_bank.py:\d+", "test_graph_bank.py:N", row["stopped"]), """6 of the 6 input sizes judged so far came once and not again: its input sizes do not repeat: argument `start_pos` (read at test_graph_bank.py:N), an integer, grew by 1 at each new value (1, 2, 3, ..., 9, 10), a sequence growing at every step (e.g. a decode step's start position); new sizes run eagerly, the graphs it has keep replaying. Fix: pass the position as a tensor (as transformers' cache_position) and read the whole fixed-size cache with a mask of the positions written so far, so no size depends on its value (a slice such as cache[:, :start_pos + n] has a new length at every step).""")
 
+    def test_a_float_argument_new_at_every_call_is_named_with_the_tensor_fix(self):
+        """A temperature passed as a Python float, a new value at every step: Dynamo makes it a graph input after
+        its second value, each value a new bank key, never captured. The message names the float and its values
+        and the fix (a tensor, copied in at every call), not padding for sizes the data picks. Exact throughout."""
+        model = Tempered().eval()
+        reference = copy.deepcopy(model)
+        run = compiled(model)
+        with torch.no_grad(), self.assertLogs("cgcompile", level="WARNING") as logs:
+            for step in range(16):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+                self.assertTrue(torch.equal(run(x, 1.0 + step / 8), reference(x, 1.0 + step / 8)))
+        [row] = [p for p in cgcompile.stats()["partitions"] if p["stopped"]]
+        self.assertEqual(len([m for m in logs.output if "stops capturing" in m]), 1)
+        self.assertExpectedInline(re.sub(r"test_graph_bank.py:\d+", "test_graph_bank.py:N", row["stopped"]), """6 of the 6 input sizes judged so far came once and not again: its inputs do not repeat: `item` from Tensor.item (created at test_graph_bank.py:N), a Python float, took a new value at each call (1.625, 1.75, 1.875, 2, 2.125, 2.25); a CUDA graph keeps the value it captured, so each value is a graph of its own. New values run eagerly, the graphs it has keep replaying. Fix: pass it as a tensor on the model's device (torch.tensor(value, device=...)): it is copied into the graph at every call, one graph for every value.""")
+
     def test_a_new_size_compiles_only_when_it_comes_again(self):
         """At the default warmup, a new size's first call runs uncompiled (one of its warmup calls) and the size
         compiles at its second call, so sizes that never come back cost no aot compile (the growing cache
@@ -246,6 +261,18 @@ class ConcatCacheStep(nn.Module):
         k, v = cache.split(8, dim=-1)
         weights = torch.softmax(self.q(x) @ k.transpose(1, 2), dim=-1)
         return weights @ v, cache
+
+
+class Tempered(nn.Module):
+    """An MLP whose hidden activations are scaled by a temperature given as a Python float."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor, temperature: float):
+        return self.down(torch.nn.functional.gelu(self.up(x)) / temperature)
 
 
 class StartPosCacheStep(nn.Module):

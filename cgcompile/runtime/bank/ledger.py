@@ -221,7 +221,7 @@ class BankLedger:
         if storm:
             self.counters.stopped = reason
 
-    def stop(self, reason: str, growth: Optional[Tuple[str, bool]] = None) -> str:
+    def stop(self, reason: str, growth: Optional[Tuple[str, str]] = None) -> str:
         """Stop capturing new sizes for good; the message to log (`growth`: policy.stop_message)."""
         self.counters.stopped = policy.stop_message(reason, growth)
         return self.counters.stopped

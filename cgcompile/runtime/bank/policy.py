@@ -124,17 +124,22 @@ def cycle(graphs: int, sizes: int) -> int:
     return max(1, graphs, sizes)
 
 
-def stop_message(reason: str, growth: Optional[Tuple[str, bool]] = None) -> str:
+def stop_message(reason: str, growth: Optional[Tuple[str, str]] = None) -> str:
     """What a partition that stops capturing new sizes says (logged once, in stats()["bank_stops"]), with the fix:
-    `growth` (size_trend.Growth: what grew, and whether only an integer did) when a size grew by a fixed amount at
-    every new size, a sequence whose sizes never come back; else sizes from the data."""
+    `growth` (size_trend.Growth: what changed, and its kind: a tensor's size, an integer, a float's value) when a
+    size grew by a fixed amount at every new size, a sequence whose sizes never come back, or a float argument took
+    a new value at every call; else sizes from the data."""
+    if growth is not None and growth[1] == "float":
+        return (f"{reason}: its inputs do not repeat: {growth[0]}; a CUDA graph keeps the value it captured, so each "
+                f"value is a graph of its own. New values run eagerly, the graphs it has keep replaying. "
+                f"{_FLOAT_FIX_HINT}")
     if growth is not None:
-        text, integer = growth
-        example = ("a decode step's start position" if integer else
+        text, kind = growth
+        example = ("a decode step's start position" if kind == "integer" else
                    "a KV cache concatenated at each decode step, or a growing batch")
         return (f"{reason}: its input sizes do not repeat: {text}, a sequence growing at every step (e.g. {example}); "
                 f"new sizes run eagerly, the graphs it has keep replaying. "
-                f"{_INTEGER_GROWTH_FIX_HINT if integer else _GROWTH_FIX_HINT}")
+                f"{_INTEGER_GROWTH_FIX_HINT if kind == 'integer' else _GROWTH_FIX_HINT}")
     return (f"{reason}: its input sizes do not repeat (e.g. rows selected by nonzero before a graph break); new sizes "
             f"run eagerly, the graphs it has keep replaying. {_FIX_HINT}")
 
@@ -148,3 +153,5 @@ _GROWTH_FIX_HINT = ("Fix: a cache of fixed size written in place at each step's 
 _INTEGER_GROWTH_FIX_HINT = ("Fix: pass the position as a tensor (as transformers' cache_position) and read the "
                             "whole fixed-size cache with a mask of the positions written so far, so no size depends "
                             "on its value (a slice such as cache[:, :start_pos + n] has a new length at every step).")
+_FLOAT_FIX_HINT = ("Fix: pass it as a tensor on the model's device (torch.tensor(value, device=...)): it is copied "
+                   "into the graph at every call, one graph for every value.")

@@ -18,18 +18,19 @@ import torch
 
 from .key import MODE_FIELDS
 
-__all__ = ["MIN_STEPS", "Growth", "growing_size"]
+__all__ = ["MIN_STEPS", "Growth", "changing_float", "growing_size"]
 
 MIN_STEPS = 3  # sizes in a row, each grown by the same amount from the one before, before a growth is named
 
 
 class Growth(NamedTuple):
-    """What grew at every new size: `text` names it for the log; `integer` when no tensor grew, only an integer
-    the code reads (a start position passed as a Python int that slices a fixed cache: the cache is already
-    static, the slice's length is what varies, so the fix differs from a concatenated cache's)."""
+    """What changed at every new size: `text` names it for the log; `kind` says what and so which fix applies:
+    "tensor" (a tensor's dimension grew: a concatenated cache), "integer" (only an integer the code reads grew: a
+    start position passed as a Python int that slices a fixed cache, which is static already), "float" (a
+    Python float argument took a new value at every call: a temperature or a mixup weight, baked into a graph)."""
 
     text: str
-    integer: bool
+    kind: str
 
 
 def _sizes(argument: Any) -> Optional[Tuple[Tuple[int, ...], bool]]:
@@ -91,6 +92,30 @@ def growing_size(keys: Sequence[tuple], positions: Sequence[int], names: Sequenc
         also = f", and {others} other input{'s' if others > 1 else ''} with it" if others else ""
         sizes = ", ".join(map(str, shown))
         if not best[2]:
-            return Growth(f"{name}, an integer, grew by {steps[best]} at each new value ({sizes})", True)
-        return Growth(f"{name} dim {dim} grew by {steps[best]} at each new size ({sizes}){also}", False)
+            return Growth(f"{name}, an integer, grew by {steps[best]} at each new value ({sizes})", "integer")
+        return Growth(f"{name} dim {dim} grew by {steps[best]} at each new size ({sizes}){also}", "tensor")
     return None
+
+
+def changing_float(keys: Sequence[tuple], positions: Sequence[int], names: Sequence[str]) -> Optional[Growth]:
+    """When the latest MIN_STEPS or more bank keys (in the order they first came) differ only in the values of
+    Python float arguments, each value new: those arguments ("argument `temp`, a Python float, took a new value at
+    each call (1.1, 1.2, 1.3)"); else None."""
+    recent = list(keys[-(MIN_STEPS + 3):])
+    if len(recent) < MIN_STEPS or any(key[:MODE_FIELDS] != recent[0][:MODE_FIELDS] or len(key) != len(recent[0])
+                                      for key in recent):
+        return None
+    changed = [slot for slot in range(len(recent[0]) - MODE_FIELDS)
+               if len({key[MODE_FIELDS + slot] for key in recent}) > 1]
+    parts = [[key[MODE_FIELDS + slot] for key in recent] for slot in changed]
+    if not changed or not all(isinstance(p, tuple) and len(p) == 2 and p[0] is float for ps in parts for p in ps):
+        return None
+    if any(len({p[1] for p in ps}) < len(ps) for ps in parts):  # a value came back: not a new value at each call
+        return None
+    position = positions[changed[0]] if changed[0] < len(positions) else changed[0]
+    name = names[position] if position < len(names) else f"argument {position}"
+    values = [f"{p[1]:g}" for p in parts[0]]
+    shown = values if len(values) <= 6 else [*values[:3], "...", *values[-2:]]
+    others = len(changed) - 1
+    also = f", and {others} other float argument{'s' if others > 1 else ''} with it" if others else ""
+    return Growth(f"{name}, a Python float, took a new value at each call ({', '.join(shown)}){also}", "float")

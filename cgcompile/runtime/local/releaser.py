@@ -27,7 +27,7 @@ class GraphReleaser:
     BankEntry), read here; `runtime` gives the memory back."""
 
     def __init__(self, name: str, describe: Callable[[], str], bank: Dict[Any, Any], ledger: BankLedger,
-                 runtime: Any, growth: Callable[[], Optional[Tuple[str, bool]]]):
+                 runtime: Any, growth: Callable[[], Optional[Tuple[str, str]]]):
         self.name = name
         self.describe = describe
         self.growth = growth  # what size grew at every new size, if one did (size_trend.growing_size), for stop()
