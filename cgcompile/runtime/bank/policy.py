@@ -135,7 +135,7 @@ def stop_message(reason: str, growth: Optional[Tuple[str, str]] = None) -> str:
                 f"{_FLOAT_FIX_HINT}")
     if growth is not None:
         text, kind = growth
-        example = ("a decode step's start position" if kind == "integer" else
+        example = ("a decode step's start position, or a step counter" if kind == "integer" else
                    "a KV cache concatenated at each decode step, or a growing batch")
         return (f"{reason}: its input sizes do not repeat: {text}, a sequence growing at every step (e.g. {example}); "
                 f"new sizes run eagerly, the graphs it has keep replaying. "
@@ -150,8 +150,9 @@ _FIX_HINT = ("Fix: dynamic_padding='buckets' (or 'max') with torch._dynamo.confi
 _GROWTH_FIX_HINT = ("Fix: a cache of fixed size written in place at each step's positions, so every step has the same "
                     "sizes (transformers: generate(..., cache_implementation=\"static\")), or capture_sizes=[...] when "
                     "it is a batch dimension.")
-_INTEGER_GROWTH_FIX_HINT = ("Fix: pass the position as a tensor (as transformers' cache_position) and read the "
-                            "whole fixed-size cache with a mask of the positions written so far, so no size depends "
-                            "on its value (a slice such as cache[:, :start_pos + n] has a new length at every step).")
+_INTEGER_GROWTH_FIX_HINT = ("Fix: pass it as a tensor on the model's device; for a decode position, as transformers' "
+                            "cache_position, reading the whole fixed-size cache with a mask of the positions written "
+                            "so far, so no size depends on its value (a slice such as cache[:, :start_pos + n] has a "
+                            "new length at every step).")
 _FLOAT_FIX_HINT = ("Fix: pass it as a tensor on the model's device (torch.tensor(value, device=...)): it is copied "
                    "into the graph at every call, one graph for every value.")
