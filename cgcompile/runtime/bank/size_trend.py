@@ -18,7 +18,7 @@ import torch
 
 from .key import MODE_FIELDS
 
-__all__ = ["MIN_STEPS", "Growth", "changing_float", "growing_size"]
+__all__ = ["MIN_STEPS", "Growth", "changing_float", "growing_size", "what_changed"]
 
 MIN_STEPS = 3  # sizes in a row, each grown by the same amount from the one before, before a growth is named
 
@@ -119,3 +119,8 @@ def changing_float(keys: Sequence[tuple], positions: Sequence[int], names: Seque
     others = len(changed) - 1
     also = f", and {others} other float argument{'s' if others > 1 else ''} with it" if others else ""
     return Growth(f"{name}, a Python float, took a new value at each call ({', '.join(shown)}){also}", "float")
+
+
+def what_changed(keys: Sequence[tuple], positions: Sequence[int], names: Sequence[str]) -> Optional[Growth]:
+    """A size grown at every new size (growing_size), else a float argument new at every call (changing_float)."""
+    return growing_size(keys, positions, names) or changing_float(keys, positions, names)

@@ -30,7 +30,7 @@ class GraphReleaser:
                  runtime: Any, growth: Callable[[], Optional[Tuple[str, str]]]):
         self.name = name
         self.describe = describe
-        self.growth = growth  # what size grew at every new size, if one did (size_trend.growing_size), for stop()
+        self.growth = growth  # what changed at every new size, if one thing did (size_trend.what_changed), for stop()
         self.bank = bank
         self.ledger = ledger
         self.runtime = runtime

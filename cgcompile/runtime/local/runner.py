@@ -39,7 +39,7 @@ from ...counters import record
 from ..bank import policy as bank_policy
 from ..bank.key import BankKey, ParamSetIdentity
 from ..bank.ledger import BankLedger
-from ..bank.size_trend import Growth, changing_float, growing_size
+from ..bank.size_trend import Growth, what_changed
 from ..drivers.base import Driver
 from ..memory.arena_sizing import ArenaSizing
 from .benefit import BenefitProbe
@@ -208,10 +208,8 @@ class PartitionRunner:
         return entry
 
     def growing_size(self) -> Optional[Growth]:
-        """Which input size grew by a fixed amount at each new size of the bank, or which float argument took a new
-        value at each, if one did (size_trend.py)."""
-        keys, positions, names = list(self.ledger.sizes_seen), self.keys.dynamic or (), self.inputs.input_names
-        return growing_size(keys, positions, names) or changing_float(keys, positions, names)
+        """What changed at each new size of the bank, if one thing did (size_trend.what_changed)."""
+        return what_changed(list(self.ledger.sizes_seen), self.keys.dynamic or (), self.inputs.input_names)
 
     def _sets_gone(self, args: Sequence[Any]) -> bool:
         """A new parameter set arrived: the sets whose identity died leave the ledger; True when the partition
