@@ -50,8 +50,10 @@ def skip_frames_of(module_names: Sequence[str]) -> None:
 def never_traced(fn: Callable) -> Callable:
     """`fn`, run with Dynamo's frame hook off, for it and everything it calls: torch.compiler.disable(recursive=True)
     (public). For what autograd calls during a backward pass that a compiled frame started (a graph break at
-    `loss.backward()`): the hook is still set there, so the graph code `fn` runs would be traced as a new frame."""
-    return torch.compiler.disable(fn, recursive=True)
+    `loss.backward()`): the hook is still set there, so the graph code `fn` runs would be traced as a new frame.
+    Around a closure: disable's functools.wraps would copy `fn`'s attributes (a graph family's state) into a
+    snapshot that keeps their values of that moment alive."""
+    return torch.compiler.disable(lambda *args, **kwargs: fn(*args, **kwargs), recursive=True)
 
 
 def aot_compile(mod: torch.fx.GraphModule, args: Sequence[Any],

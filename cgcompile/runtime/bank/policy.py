@@ -129,12 +129,12 @@ def stop_message(reason: str, growth: Optional[Tuple[str, str]] = None) -> str:
     `growth` (size_trend.Growth: what changed, and its kind: a tensor's size, an integer, a float's value) when a
     size grew by a fixed amount at every new size, a sequence whose sizes never come back, or a float argument took
     a new value at every call; else sizes from the data."""
-    if growth is not None and growth[1] == "float":
-        return (f"{reason}: its inputs do not repeat: {growth[0]}; a CUDA graph keeps the value it captured, so each "
+    text, kind = growth if growth is not None else (None, None)
+    if kind == "float":
+        return (f"{reason}: its inputs do not repeat: {text}; a CUDA graph keeps the value it captured, so each "
                 f"value is a graph of its own. New values run eagerly, the graphs it has keep replaying. "
                 f"{_FLOAT_FIX_HINT}")
-    if growth is not None:
-        text, kind = growth
+    if kind is not None:
         example = ("a decode step's start position, or a step counter" if kind == "integer" else
                    "a KV cache concatenated at each decode step, or a growing batch")
         return (f"{reason}: its input sizes do not repeat: {text}, a sequence growing at every step (e.g. {example}); "

@@ -66,6 +66,16 @@ def _changes(keys: Sequence[tuple], positions: Sequence[int]) -> Optional[Dict[T
     return found
 
 
+def _shown(values: Sequence[Any]) -> str:
+    """Values as a log lists them: all of up to six, else the first three and the last two."""
+    shown = list(values) if len(values) <= 6 else [*values[:3], "...", *values[-2:]]
+    return ", ".join(map(str, shown))
+
+
+def _name(names: Sequence[str], position: int) -> str:
+    return names[position] if position < len(names) else f"argument {position}"
+
+
 def _step(values: List[int]) -> Optional[int]:
     """The amount the values grow by when it is the same positive amount each time, else None."""
     steps = {b - a for a, b in itertools.pairwise(values)}
@@ -86,11 +96,9 @@ def growing_size(keys: Sequence[tuple], positions: Sequence[int], names: Sequenc
         # a tensor's dimension names the growth better than the integer size Dynamo passes beside it
         best = max(changes, key=lambda where: where[2])
         (position, dim, _), values = best, changes[best]
-        shown = values if len(values) <= 6 else [*values[:3], "...", *values[-2:]]
-        name = names[position] if position < len(names) else f"argument {position}"
+        name, sizes = _name(names, position), _shown(values)
         others = len({where[0] for where in changes if where[2]} - {position})  # tensors; a size symbol is no news
         also = f", and {others} other input{'s' if others > 1 else ''} with it" if others else ""
-        sizes = ", ".join(map(str, shown))
         if not best[2]:
             return Growth(f"{name}, an integer, grew by {steps[best]} at each new value ({sizes})", "integer")
         return Growth(f"{name} dim {dim} grew by {steps[best]} at each new size ({sizes}){also}", "tensor")
@@ -102,23 +110,20 @@ def changing_float(keys: Sequence[tuple], positions: Sequence[int], names: Seque
     Python float arguments, each value new: those arguments ("argument `temp`, a Python float, took a new value at
     each call (1.1, 1.2, 1.3)"); else None."""
     recent = list(keys[-(MIN_STEPS + 3):])
-    if len(recent) < MIN_STEPS or any(key[:MODE_FIELDS] != recent[0][:MODE_FIELDS] or len(key) != len(recent[0])
-                                      for key in recent):
+    if len(recent) < MIN_STEPS or any(key[:MODE_FIELDS] != recent[0][:MODE_FIELDS]
+                                      or len(key) != MODE_FIELDS + len(positions) for key in recent):
         return None
-    changed = [slot for slot in range(len(recent[0]) - MODE_FIELDS)
-               if len({key[MODE_FIELDS + slot] for key in recent}) > 1]
+    changed = [slot for slot in range(len(positions)) if len({key[MODE_FIELDS + slot] for key in recent}) > 1]
     parts = [[key[MODE_FIELDS + slot] for key in recent] for slot in changed]
     if not changed or not all(isinstance(p, tuple) and len(p) == 2 and p[0] is float for ps in parts for p in ps):
         return None
     if any(len({p[1] for p in ps}) < len(ps) for ps in parts):  # a value came back: not a new value at each call
         return None
-    position = positions[changed[0]] if changed[0] < len(positions) else changed[0]
-    name = names[position] if position < len(names) else f"argument {position}"
-    values = [f"{p[1]:g}" for p in parts[0]]
-    shown = values if len(values) <= 6 else [*values[:3], "...", *values[-2:]]
+    values = _shown([f"{p[1]:g}" for p in parts[0]])
     others = len(changed) - 1
     also = f", and {others} other float argument{'s' if others > 1 else ''} with it" if others else ""
-    return Growth(f"{name}, a Python float, took a new value at each call ({', '.join(shown)}){also}", "float")
+    return Growth(f"{_name(names, positions[changed[0]])}, a Python float, took a new value at each call ({values})"
+                  f"{also}", "float")
 
 
 def what_changed(keys: Sequence[tuple], positions: Sequence[int], names: Sequence[str]) -> Optional[Growth]:

@@ -47,6 +47,8 @@ class BackwardFamily(GraphFamily):
     """The backward graphs of one bank entry: each belongs to one forward instance (captured at its first
     backward, replayed with it), found from the saved tensors autograd hands the backward."""
 
+    said_unpaired = False  # logged once that a backward had no known forward among several awaiting
+
     def __call__(self, args: list) -> Any:
         with self.part.runtime.calls:  # one thread's call of the frame's graphs at a time (serialized.py)
             return self._replay_or_run(args)
@@ -117,7 +119,7 @@ class BackwardFamily(GraphFamily):
         pending = [graph for graph in forward.all_instances() if graph.alive and graph.pending_backward]
         if len(pending) == 1 and len(forward.instances) == 1:
             return pending[0]
-        if len(pending) > 1 and not getattr(self, "said_unpaired", False):
+        if len(pending) > 1 and not self.said_unpaired:
             self.said_unpaired = True
             log.info("cgcompile: %s runs a backward eagerly: the tensors autograd saved for it are not its forward "
                      "graph's outputs (a saved_tensors_hooks pack may have replaced them, e.g. activation offloading) "

@@ -93,7 +93,7 @@ class PartitionRunner:
         self.arenas = ArenaSizing(name, self.config.capture_sizes, batch_at, self.inputs.param_set_number)
         self.ledger = BankLedger(self.config.cuda_graph_warmup_steps, self.config.max_graphs_per_partition)
         self.releaser = GraphReleaser(name, self.describe, self.bank, self.ledger, runtime,  # acts on its decisions
-                                      self.growing_size)
+                                      self.what_changed)
         # per parameter set, the graph its last direct call replayed, replayed again from there (steady.py)
         self.steady = SteadyReplays(self.keys, self.param_sets, self.ledger, self.releaser, runtime, self)
         self.benefit = BenefitProbe(name, self.describe, self.config, driver, self.inputs.static_storages)
@@ -207,7 +207,7 @@ class PartitionRunner:
             ledger.new_size(key, param_set)
         return entry
 
-    def growing_size(self) -> Optional[Growth]:
+    def what_changed(self) -> Optional[Growth]:
         """What changed at each new size of the bank, if one thing did (size_trend.what_changed)."""
         return what_changed(list(self.ledger.sizes_seen), self.keys.dynamic or (), self.inputs.input_names)
 
